@@ -1,0 +1,102 @@
+"""Codecs: implementations of the format in ``bitsparse.format``, behind one interface.
+
+A codec has two entry points, both shaped like ``torch.library`` custom ops: every output
+is a preallocated argument whose shape the host knows, and everything whose size depends on
+the data (the value stream) goes into a caller-provided word buffer at a position held in a
+device tensor. Neither entry point synchronizes with the host.
+
+``encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_pack)``
+    Reads ``bits`` (the flattened tensor viewed as ``spec.bits_dtype``), writes ``masks``
+    (int32 ``[num_tiles, mask_words]``) and ``tile_words`` (int32 ``[num_tiles]``), appends
+    the value stream to ``stream`` (int32 words; the last word is a guard that is never
+    allocated) and advances ``cursor`` (int64 ``[1]``) by the words used. ``base`` (int64
+    ``[1]``) holds the cursor as it was before the call: tile offsets are relative to it.
+    A tile that does not fit below the guard is not written; the caller learns this from
+    the cursor, which still advances past the capacity.
+
+``decode(masks, tile_words, stream, base, out, spec, geometry, sign_pack)``
+    Writes every element of ``out`` (the flattened result viewed as ``spec.bits_dtype``).
+    ``sign_pack`` says whether packed tiles may occur (a fast path when they cannot).
+
+Backends: ``"torch"`` (vectorised PyTorch, any device) and ``"triton"`` (CUDA, or the CPU under
+``TRITON_INTERPRET=1``). Both write the same masks and tile encodings; the order of tiles in
+the value stream may differ (the Triton encoder claims space with an atomic counter), which
+the per-tile offsets make invisible to decoding.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from bitsparse.format import DTypeSpec, TileGeometry
+
+BACKENDS = ("torch", "triton")
+
+
+class Codec(Protocol):
+    name: str
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise ``ValueError`` when this codec cannot run on ``device``."""
+
+    def encode(
+        self,
+        bits: torch.Tensor,
+        masks: torch.Tensor,
+        tile_words: torch.Tensor,
+        stream: torch.Tensor,
+        cursor: torch.Tensor,
+        base: torch.Tensor,
+        spec: DTypeSpec,
+        geometry: TileGeometry,
+        sign_pack: bool,
+    ) -> None: ...
+
+    def decode(
+        self,
+        masks: torch.Tensor,
+        tile_words: torch.Tensor,
+        stream: torch.Tensor,
+        base: torch.Tensor,
+        out: torch.Tensor,
+        spec: DTypeSpec,
+        geometry: TileGeometry,
+        sign_pack: bool,
+    ) -> None: ...
+
+
+def triton_available() -> bool:
+    """Whether the Triton backend can be imported (Triton is installed)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def get_codec(backend: str | None, device: torch.device) -> Codec:
+    """Return the codec named ``backend``, or the default one for ``device``.
+
+    The default is ``"triton"`` on CUDA devices when Triton is installed, else ``"torch"``.
+
+    Raises:
+        ValueError: unknown backend name, or a backend that cannot run on ``device``.
+        ImportError: ``backend="triton"`` without Triton installed.
+    """
+    if backend is None:
+        backend = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "torch":
+        from bitsparse.codecs import torch_codec as codec
+    elif backend == "triton":
+        if not triton_available():
+            raise ImportError(
+                "backend='triton' needs the triton package (pip install triton); "
+                "backend='torch' works without it"
+            )
+        from bitsparse.codecs import triton_codec as codec
+    else:
+        raise ValueError(f"unknown backend {backend!r}: choose one of {BACKENDS} or None")
+    codec.check_device(device)
+    return codec

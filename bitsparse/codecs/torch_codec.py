@@ -1,0 +1,123 @@
+"""The reference codec in plain PyTorch: vectorised, any device, no host synchronization.
+
+It favours clarity over speed: every tile is expanded to ``tile_size`` int64 lanes. The
+value stream is written in tile order, so its bytes are deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bitsparse.format import (
+    MAX_TILE_OFFSET,
+    PACKED_TILE_FLAG,
+    WORD_BITS,
+    DTypeSpec,
+    TileGeometry,
+    tile_stream_words,
+)
+
+name = "torch"
+
+_BYTE_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.uint8)
+
+
+def check_device(device: torch.device) -> None:
+    """Any device PyTorch supports will do."""
+
+
+def unsigned(bits: torch.Tensor, width: int) -> torch.Tensor:
+    """The bit patterns of ``bits`` (any signed integer dtype) as nonnegative int64."""
+    return bits.long() & ((1 << width) - 1)
+
+
+def wrap_signed(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret nonnegative int64 bit patterns as the signed integer ``dtype`` of their width."""
+    width = torch.iinfo(dtype).bits
+    return torch.where(values >= 1 << (width - 1), values - (1 << width), values).to(dtype)
+
+
+def tile_counts(masks: torch.Tensor) -> torch.Tensor:
+    """Nonzero elements per tile (int64 ``[num_tiles]``), counted from the bitmasks."""
+    table = _BYTE_POPCOUNT.to(masks.device)
+    per_byte = table[masks.contiguous().view(torch.uint8).int()]
+    return per_byte.view(masks.shape[0], -1).sum(1, dtype=torch.int64)
+
+
+def tile_widths(tile_words: torch.Tensor, spec: DTypeSpec) -> torch.Tensor:
+    """Value width in bits of each tile (int64), read from the tile words' packed flag."""
+    packed = (tile_words.long() & PACKED_TILE_FLAG) != 0
+    return torch.where(packed, spec.packed_bits, spec.bits)
+
+
+def _tile_bits(masks: torch.Tensor, geometry: TileGeometry) -> torch.Tensor:
+    """The masks expanded to one bool per element, ``[num_tiles, tile_size]``."""
+    shifts = torch.arange(WORD_BITS, device=masks.device)
+    bits = (unsigned(masks, WORD_BITS).unsqueeze(-1) >> shifts) & 1
+    return bits.view(masks.shape[0], geometry.tile_size).bool()
+
+
+def encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_pack):
+    num_tiles, tile = masks.shape[0], geometry.tile_size
+    if num_tiles == 0:
+        return
+    device = bits.device
+    padded = torch.zeros(num_tiles * tile, dtype=torch.int64, device=device)
+    padded[: bits.numel()] = unsigned(bits, spec.bits)
+    padded = padded.view(num_tiles, tile)
+    nonzero = padded != 0
+
+    shifts = torch.arange(WORD_BITS, device=device)
+    mask_words = (nonzero.view(num_tiles, -1, WORD_BITS).long() << shifts).sum(-1)
+    masks.copy_(wrap_signed(mask_words, torch.int32))
+
+    counts = nonzero.sum(1)
+    if sign_pack:
+        negative = (padded >> (spec.bits - 1)).bool()
+        packed = ~(nonzero & negative).any(1)
+    else:
+        packed = torch.zeros(num_tiles, dtype=torch.bool, device=device)
+    width = torch.where(packed, spec.packed_bits, spec.bits)
+    lengths = (counts * width + WORD_BITS - 1) // WORD_BITS
+    offsets = lengths.cumsum(0) - lengths
+    tile_words.copy_(wrap_signed(offsets | (packed.long() << 31), torch.int32))
+
+    # Compact each tile's values to the front, in position order (adding zeros elsewhere).
+    rank = nonzero.cumsum(1) - 1
+    compact = torch.zeros_like(padded).scatter_add_(1, rank.clamp_min(0), padded)
+    # Value k of a tile starts at bit k * width; it spills into the next word at most.
+    bit = torch.arange(tile, device=device) * width[:, None]
+    value = compact & ((1 << width[:, None]) - 1)
+    words_per_tile = tile_stream_words(tile, spec.bits)
+    packed_words = torch.zeros(num_tiles, words_per_tile + 1, dtype=torch.int64, device=device)
+    packed_words.scatter_add_(1, bit >> 5, (value << (bit & 31)) & 0xFFFFFFFF)
+    packed_words.scatter_add_(1, (bit >> 5) + 1, value >> (WORD_BITS - (bit & 31)))
+
+    # Append to the stream; a tile that does not fit below the guard word is not written.
+    capacity = stream.numel() - 1
+    start = base + offsets
+    fits = start + lengths <= capacity
+    column = torch.arange(words_per_tile, device=device)
+    dest = start[:, None] + column
+    dest = torch.where((column < lengths[:, None]) & fits[:, None], dest, capacity)
+    stream.index_put_((dest.flatten(),), wrap_signed(packed_words[:, :-1], torch.int32).flatten())
+    cursor.add_(lengths.sum())
+
+
+def decode(masks, tile_words, stream, base, out, spec, geometry, sign_pack):
+    num_tiles = masks.shape[0]
+    if num_tiles == 0:
+        return
+    nonzero = _tile_bits(masks, geometry)
+    rank = (nonzero.cumsum(1) - 1).clamp_min(0)
+    width = tile_widths(tile_words, spec)[:, None]
+    offset = (tile_words.long() & MAX_TILE_OFFSET)[:, None]
+    bit = rank * width
+    first = base + offset + (bit >> 5)
+    last = stream.numel() - 1
+    low = unsigned(stream[first.clamp(max=last)], WORD_BITS)
+    high = unsigned(stream[(first + 1).clamp(max=last)], WORD_BITS)
+    shift = bit & 31
+    value = ((low >> shift) | (high << (WORD_BITS - shift))) & ((1 << width) - 1)
+    value = torch.where(nonzero, value, 0).flatten()[: out.numel()]
+    out.copy_(wrap_signed(value, out.dtype))

@@ -1,0 +1,241 @@
+"""The Triton codec: one pass over the data in each direction, no host synchronization.
+
+Encoding is a persistent kernel: each program walks its share of tiles. For a tile it builds
+the 32-bit mask words from the nonzero test, ranks every element among the tile's nonzeros
+(exclusive scan of the words' popcounts plus the popcount of the bits below it), claims the
+tile's stream words with one relaxed atomic add on the cursor, and scatters the values to
+``start + rank``. Sign-packed tiles first scatter their values to a per-program scratch block
+(it stays in L2), then assemble each output word from the at most ``floor(31 / b) + 2`` values
+that overlap it, so every word is written once, whole.
+
+Decoding runs one program per tile: the same rank computation, then a gather (raw values) or
+a two-word funnel shift (packed values) for every set bit, and a dense store of the tile.
+
+Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors; the interpreter has no popcount
+instruction, so a SWAR popcount is compiled in instead of ``libdevice.popc``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+from triton.runtime.interpreter import InterpretedFunction
+
+from bitsparse.format import WORD_BITS, DTypeSpec, TileGeometry
+
+name = "triton"
+
+ENCODE_PROGRAMS_PER_SM = 8
+ENCODE_NUM_WARPS = 4
+DECODE_NUM_WARPS = 4
+INTERPRETER_PROGRAMS = 3  # enough to exercise the persistent loop under the interpreter
+
+
+@triton.jit
+def _popcount(x, HW_POPC: tl.constexpr):
+    """Set bits of each uint32 element, as int32."""
+    if HW_POPC:
+        return libdevice.popc(x.to(tl.int32, bitcast=True))
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _tile_ranks(words, HW_POPC: tl.constexpr):
+    """For mask words ``[W]`` (uint32), each position's rank among the tile's set bits ``[W, 32]``."""
+    cols = tl.arange(0, 32)
+    below = (tl.full([32], 1, tl.uint32) << cols.to(tl.uint32)) - 1
+    counts = _popcount(words, HW_POPC)
+    word_starts = tl.cumsum(counts, axis=0) - counts
+    return word_starts[:, None] + _popcount(words[:, None] & below[None, :], HW_POPC), counts
+
+
+@triton.jit
+def _encode_kernel(
+    x_ptr,
+    numel,
+    masks_ptr,
+    tile_words_ptr,
+    stream_ptr,
+    values_ptr,
+    cursor_ptr,
+    base_ptr,
+    capacity,
+    scratch_ptr,
+    num_tiles,
+    num_programs,
+    tiles_per_program,
+    TILE: tl.constexpr,
+    BITS: tl.constexpr,
+    SIGN_PACK: tl.constexpr,
+    PACKED_WORDS_BLOCK: tl.constexpr,
+    HW_POPC: tl.constexpr,
+):
+    MASK_WORDS: tl.constexpr = TILE // 32
+    VALUES_PER_WORD: tl.constexpr = 32 // BITS
+    PACKED_BITS: tl.constexpr = BITS - 1
+    OVERLAPPING_VALUES: tl.constexpr = 31 // PACKED_BITS + 2
+    pid = tl.program_id(0)
+    rows = tl.arange(0, MASK_WORDS)
+    cols = tl.arange(0, 32)
+    base = tl.load(base_ptr)
+    for step in range(tiles_per_program):
+        # Past the last tile everything below is masked off (and the atomic adds zero).
+        tile = pid + step * num_programs
+        real = tile < num_tiles
+        index = tile * TILE + rows[:, None] * 32 + cols[None, :]
+        x = tl.load(x_ptr + index, mask=index < numel, other=0)
+        nonzero = x != 0
+        words = tl.sum(nonzero.to(tl.uint32) << cols[None, :].to(tl.uint32), axis=1)
+        tl.store(masks_ptr + tile * MASK_WORDS + rows, words.to(tl.int32, bitcast=True), mask=real)
+        rank, counts = _tile_ranks(words, HW_POPC)
+        count = tl.sum(counts, axis=0)
+        if SIGN_PACK:
+            packed = tl.max(tl.where(nonzero & (x < 0), 1, 0)) == 0
+        else:
+            packed = False
+        width = tl.where(packed, PACKED_BITS, BITS)
+        length = (count * width + 31) // 32
+        start = tl.atomic_add(cursor_ptr, length.to(tl.int64), sem="relaxed")
+        offset = (start - base).to(tl.int32)
+        tl.store(tile_words_ptr + tile, offset | (packed.to(tl.int32) << 31), mask=real)
+        fits = start + length <= capacity
+        tl.store(values_ptr + start * VALUES_PER_WORD + rank, x, mask=nonzero & fits & (not packed))
+        if SIGN_PACK:
+            scratch = scratch_ptr + pid * TILE
+            tl.store(scratch + rank, x, mask=nonzero & packed)
+            tl.debug_barrier()
+            j = tl.arange(0, PACKED_WORDS_BLOCK)
+            first = (j * 32) // PACKED_BITS
+            word = tl.zeros([PACKED_WORDS_BLOCK], dtype=tl.uint32)
+            for i in tl.static_range(OVERLAPPING_VALUES):
+                k = first + i
+                v = tl.load(scratch + k, mask=(k < count) & (j < length) & packed, other=0)
+                v = (v.to(tl.int32) & ((1 << PACKED_BITS) - 1)).to(tl.uint32)
+                shift = k * PACKED_BITS - j * 32
+                left = v << tl.minimum(tl.maximum(shift, 0), 31).to(tl.uint32)
+                right = v >> tl.minimum(tl.maximum(-shift, 0), 31).to(tl.uint32)
+                word |= tl.where(shift >= 32, 0, tl.where(shift >= 0, left, right))
+            tl.store(
+                stream_ptr + start + j,
+                word.to(tl.int32, bitcast=True),
+                mask=(j < length) & packed & fits,
+            )
+            tl.debug_barrier()
+
+
+@triton.jit
+def _decode_kernel(
+    masks_ptr,
+    tile_words_ptr,
+    stream_ptr,
+    values_ptr,
+    base_ptr,
+    out_ptr,
+    numel,
+    TILE: tl.constexpr,
+    BITS: tl.constexpr,
+    MAY_BE_PACKED: tl.constexpr,
+    HW_POPC: tl.constexpr,
+):
+    MASK_WORDS: tl.constexpr = TILE // 32
+    VALUES_PER_WORD: tl.constexpr = 32 // BITS
+    PACKED_BITS: tl.constexpr = BITS - 1
+    tile = tl.program_id(0)
+    rows = tl.arange(0, MASK_WORDS)
+    cols = tl.arange(0, 32)
+    words = tl.load(masks_ptr + tile * MASK_WORDS + rows).to(tl.uint32, bitcast=True)
+    rank, counts = _tile_ranks(words, HW_POPC)
+    nonzero = ((words[:, None] >> cols[None, :].to(tl.uint32)) & 1) != 0
+    tile_word = tl.load(tile_words_ptr + tile)
+    packed = tile_word < 0
+    start = tl.load(base_ptr) + (tile_word & 0x7FFFFFFF)
+    x = tl.load(values_ptr + start * VALUES_PER_WORD + rank, mask=nonzero & (not packed), other=0)
+    if MAY_BE_PACKED:
+        bit = rank * PACKED_BITS
+        word = start + (bit >> 5)
+        shift = (bit & 31).to(tl.uint32)
+        spills = shift + PACKED_BITS > 32
+        low = tl.load(stream_ptr + word, mask=nonzero & packed, other=0)
+        high = tl.load(stream_ptr + word + 1, mask=nonzero & packed & spills, other=0)
+        low = low.to(tl.uint32, bitcast=True) >> shift
+        high = high.to(tl.uint32, bitcast=True) << ((32 - shift) & 31)
+        value = (low | high) & ((1 << PACKED_BITS) - 1)
+        x = tl.where(packed, value.to(x.dtype), x)
+    index = tile * TILE + rows[:, None] * 32 + cols[None, :]
+    tl.store(out_ptr + index, x, mask=index < numel)
+
+
+INTERPRETED = isinstance(_decode_kernel, InterpretedFunction)
+
+
+def check_device(device: torch.device) -> None:
+    if device.type == "cuda" or (device.type == "cpu" and INTERPRETED):
+        return
+    raise ValueError(
+        f"the triton backend runs on CUDA tensors, got a tensor on {device}; use backend='torch', "
+        "or set TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _encode_programs(device: torch.device) -> int:
+    if INTERPRETED:
+        return INTERPRETER_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count * ENCODE_PROGRAMS_PER_SM
+
+
+def encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_pack):
+    num_tiles, tile = masks.shape[0], geometry.tile_size
+    if num_tiles == 0:
+        return
+    programs = min(num_tiles, _encode_programs(bits.device))
+    scratch = torch.empty(programs * tile if sign_pack else 1, dtype=bits.dtype, device=bits.device)
+    packed_words = triton.next_power_of_2(-(-tile * spec.packed_bits // WORD_BITS))
+    _encode_kernel[(programs,)](
+        bits,
+        bits.numel(),
+        masks,
+        tile_words,
+        stream,
+        stream.view(bits.dtype),
+        cursor,
+        base,
+        stream.numel() - 1,
+        scratch,
+        num_tiles,
+        programs,
+        -(-num_tiles // programs),
+        TILE=tile,
+        BITS=spec.bits,
+        SIGN_PACK=sign_pack,
+        PACKED_WORDS_BLOCK=packed_words,
+        HW_POPC=not INTERPRETED,
+        num_warps=ENCODE_NUM_WARPS,
+    )
+
+
+def decode(masks, tile_words, stream, base, out, spec, geometry, sign_pack):
+    num_tiles = masks.shape[0]
+    if num_tiles == 0:
+        return
+    _decode_kernel[(num_tiles,)](
+        masks,
+        tile_words,
+        stream,
+        stream.view(out.dtype),
+        base,
+        out,
+        out.numel(),
+        TILE=geometry.tile_size,
+        BITS=spec.bits,
+        MAY_BE_PACKED=sign_pack,
+        HW_POPC=not INTERPRETED,
+        num_warps=DECODE_NUM_WARPS,
+    )

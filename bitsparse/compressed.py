@@ -1,0 +1,220 @@
+"""The public codec API: ``compress``, ``decompress``, ``CompressedTensor`` and ``ValueBuffer``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bitsparse.codecs import get_codec, torch_codec
+from bitsparse.format import (
+    MAX_TILE_OFFSET,
+    WORD_BITS,
+    DTypeSpec,
+    TileGeometry,
+    dtype_spec,
+)
+
+MAX_NUMEL = (1 << 31) - 1
+"""Largest tensor a single ``compress`` call takes (the kernels index elements with int32)."""
+
+
+class ValueBuffer:
+    """An append-only device buffer of 32-bit words that value streams are written into.
+
+    ``words`` holds ``capacity + 1`` int32 words; the last one is a guard that is never
+    handed out. ``cursor`` (int64 ``[1]``, on the buffer's device) is the next free word.
+    Encoders advance the cursor on the device, so appending never waits for the GPU; a tensor
+    whose values did not fit advances it past ``capacity`` (see ``CompressedTensor.fits``).
+
+    Args:
+        capacity_words: usable words.
+        device: where the buffer lives.
+    """
+
+    def __init__(self, capacity_words: int, device: torch.device | str | None = None):
+        if capacity_words < 0:
+            raise ValueError(f"capacity_words must be >= 0, got {capacity_words}")
+        self.words = torch.empty(capacity_words + 1, dtype=torch.int32, device=device)
+        self.cursor = torch.zeros(1, dtype=torch.int64, device=device)
+
+    @property
+    def capacity(self) -> int:
+        """Usable words."""
+        return self.words.numel() - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.words.device
+
+    def reset(self) -> None:
+        """Forget every stream written so far (asynchronously, on the current stream)."""
+        self.cursor.zero_()
+
+
+@dataclass(frozen=True, eq=False)
+class CompressedTensor:
+    """A tensor stored in the BitSparse format (``docs/format.md``).
+
+    Attributes:
+        shape, dtype: those of the original tensor.
+        sign_pack: whether sign packing was requested (tiles holding a value with its sign
+            bit set are stored raw regardless).
+        geometry: the tile geometry.
+        masks: int32 ``[num_tiles, tile_size / 32]``, the nonzero bitmasks.
+        tile_words: int32 ``[num_tiles]``, each tile's stream offset and packed flag.
+        values: the buffer holding the value stream (shared with other tensors in an arena).
+        base: int64 ``[1]``, the word of ``values`` where this tensor's stream starts.
+    """
+
+    shape: torch.Size
+    dtype: torch.dtype
+    sign_pack: bool
+    geometry: TileGeometry
+    masks: torch.Tensor
+    tile_words: torch.Tensor
+    values: ValueBuffer
+    base: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.masks.device
+
+    @property
+    def spec(self) -> DTypeSpec:
+        return dtype_spec(self.dtype)
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def num_tiles(self) -> int:
+        return self.masks.shape[0]
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Bytes the dense tensor takes."""
+        return self.numel * self.spec.itemsize
+
+    def stream_words(self) -> torch.Tensor:
+        """Words of this tensor's value stream, as an int64 device tensor (no synchronization)."""
+        counts = torch_codec.tile_counts(self.masks)
+        widths = torch_codec.tile_widths(self.tile_words, self.spec)
+        return ((counts * widths + WORD_BITS - 1) // WORD_BITS).sum()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this tensor in the format: masks, tile words and its value stream.
+
+        Reads the stream length from the device, so it synchronizes.
+        """
+        return self.geometry.fixed_nbytes(self.numel) + 4 * int(self.stream_words())
+
+    def nnz(self) -> int:
+        """Number of stored (nonzero-bit-pattern) elements. Synchronizes."""
+        return int(torch_codec.tile_counts(self.masks).sum())
+
+    def fits(self) -> bool:
+        """Whether every tile's values were written: false when the buffer ran out. Synchronizes."""
+        end = self.base + self.stream_words()
+        return bool(end <= self.values.capacity)
+
+
+def _check_tensor(x: object) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"compress expects a torch.Tensor, got {type(x).__name__}")
+    if x.is_sparse or x.layout != torch.strided:
+        raise ValueError(f"compress expects a dense (strided) tensor, got layout {x.layout}")
+    if x.numel() > MAX_NUMEL:
+        raise ValueError(
+            f"compress takes at most {MAX_NUMEL} elements at a time, got {x.numel()}; "
+            "split the tensor and compress the parts"
+        )
+    return x
+
+
+def compress(
+    x: torch.Tensor,
+    *,
+    sign_pack: bool = False,
+    backend: str | None = None,
+    geometry: TileGeometry | None = None,
+    values: ValueBuffer | None = None,
+) -> CompressedTensor:
+    """Store ``x`` losslessly as a bitmask of its nonzero elements and their values.
+
+    Never synchronizes with the host: tile offsets and the stream's end stay on the device.
+
+    Args:
+        x: a float32, float16, bfloat16, float8_e4m3fn or float8_e5m2 tensor of any shape,
+            contiguous or not. An element is stored when its bit pattern is not all zeros,
+            so ``-0.0``, NaN and subnormals come back exactly.
+        sign_pack: drop the sign bit of every stored value (15 bits for 16-bit dtypes, 31 for
+            float32, 7 for float8). A tile that holds a value with its sign bit set is stored
+            raw instead, so the result is exact for any input.
+        backend: ``"torch"``, ``"triton"`` or None (Triton on CUDA when installed, else torch).
+        geometry: the tile geometry (default: runs of 4096 elements).
+        values: the buffer to append the value stream to, on ``x``'s device. By default a
+            buffer of the worst-case size is allocated for this tensor alone.
+
+    Returns:
+        A ``CompressedTensor``. With a shared ``values`` buffer that ran out of space, its
+        ``fits()`` is False and it must not be decompressed.
+
+    Raises:
+        TypeError: ``x`` is not a tensor, or its dtype is not supported.
+        ValueError: ``x`` is sparse or too large, ``values`` is on another device, or the
+            backend cannot run on ``x``'s device.
+    """
+    x = _check_tensor(x)
+    spec = dtype_spec(x.dtype)
+    geometry = geometry or TileGeometry()
+    codec = get_codec(backend, x.device)
+    numel = x.numel()
+    if values is None:
+        values = ValueBuffer(geometry.max_stream_words(numel, spec.bits), x.device)
+    elif values.device != x.device:
+        raise ValueError(f"values buffer is on {values.device} but the tensor is on {x.device}")
+    if geometry.max_stream_words(numel, spec.bits) > MAX_TILE_OFFSET:
+        raise ValueError("tensor too large for 31-bit tile offsets; split it")
+    num_tiles = geometry.num_tiles(numel)
+    masks = torch.empty(num_tiles, geometry.mask_words, dtype=torch.int32, device=x.device)
+    tile_words = torch.empty(num_tiles, dtype=torch.int32, device=x.device)
+    base = values.cursor.clone()
+    bits = x.detach().reshape(-1).view(spec.bits_dtype)
+    codec.encode(bits, masks, tile_words, values.words, values.cursor, base, spec, geometry, sign_pack)
+    return CompressedTensor(
+        shape=x.shape,
+        dtype=x.dtype,
+        sign_pack=sign_pack,
+        geometry=geometry,
+        masks=masks,
+        tile_words=tile_words,
+        values=values,
+        base=base,
+    )
+
+
+def decompress(c: CompressedTensor, *, backend: str | None = None) -> torch.Tensor:
+    """Restore the tensor ``c`` was made from: same shape, dtype and device, equal bit for bit.
+
+    The result is a new contiguous tensor. Never synchronizes with the host.
+
+    Args:
+        c: a ``CompressedTensor`` from ``compress``.
+        backend: as for ``compress``; either backend reads what the other wrote.
+
+    Raises:
+        TypeError: ``c`` is not a ``CompressedTensor``.
+        ValueError: the backend cannot run on ``c``'s device.
+    """
+    if not isinstance(c, CompressedTensor):
+        raise TypeError(f"decompress expects a CompressedTensor, got {type(c).__name__}")
+    spec = c.spec
+    codec = get_codec(backend, c.device)
+    out = torch.empty(c.numel, dtype=spec.bits_dtype, device=c.device)
+    codec.decode(
+        c.masks, c.tile_words, c.values.words, c.base, out, spec, c.geometry, c.sign_pack
+    )
+    return out.view(c.dtype).view(c.shape)
