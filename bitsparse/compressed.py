@@ -20,15 +20,15 @@ MAX_NUMEL = (1 << 31) - 1
 
 
 class ValueBuffer:
-    """An append-only device buffer of 32-bit words that value streams are written into.
+    """An append-only run of 32-bit device words that value streams are written into.
 
     ``words`` holds ``capacity + 1`` int32 words; the last one is a guard that is never
-    handed out. ``cursor`` (int64 ``[1]``, on the buffer's device) is the next free word.
+    handed out. ``cursor`` (int64 ``[1]``, on the same device) is the next free word.
     Encoders advance the cursor on the device, so appending never waits for the GPU; a tensor
     whose values did not fit advances it past ``capacity`` (see ``CompressedTensor.fits``).
 
     Args:
-        capacity_words: usable words.
+        capacity_words: usable words of the new buffer.
         device: where the buffer lives.
     """
 
@@ -37,6 +37,20 @@ class ValueBuffer:
             raise ValueError(f"capacity_words must be >= 0, got {capacity_words}")
         self.words = torch.empty(capacity_words + 1, dtype=torch.int32, device=device)
         self.cursor = torch.zeros(1, dtype=torch.int64, device=device)
+
+    @classmethod
+    def wrap(cls, words: torch.Tensor, cursor: torch.Tensor) -> "ValueBuffer":
+        """A buffer over existing ``words`` (its last word is the guard) and ``cursor``.
+
+        An arena hands out such views of its one allocation; they share its cursor.
+        """
+        if words.dtype != torch.int32 or words.dim() != 1 or words.numel() < 1:
+            raise ValueError("words must be a non-empty 1-D int32 tensor")
+        if cursor.dtype != torch.int64 or cursor.shape != (1,) or cursor.device != words.device:
+            raise ValueError("cursor must be an int64 tensor of shape (1,) on the words' device")
+        buffer = cls.__new__(cls)
+        buffer.words, buffer.cursor = words, cursor
+        return buffer
 
     @property
     def capacity(self) -> int:
@@ -141,6 +155,8 @@ def compress(
     backend: str | None = None,
     geometry: TileGeometry | None = None,
     values: ValueBuffer | None = None,
+    fixed: torch.Tensor | None = None,
+    nonzeros: torch.Tensor | None = None,
 ) -> CompressedTensor:
     """Store ``x`` losslessly as a bitmask of its nonzero elements and their values.
 
@@ -157,6 +173,9 @@ def compress(
         geometry: the tile geometry (default: runs of 4096 elements).
         values: the buffer to append the value stream to, on ``x``'s device. By default a
             buffer of the worst-case size is allocated for this tensor alone.
+        fixed: int32 words to hold the masks and tile words (``geometry.fixed_nbytes(numel) / 4``
+            of them, for instance from an arena); allocated when omitted.
+        nonzeros: an int64 ``[1]`` device counter the number of stored elements is added to.
 
     Returns:
         A ``CompressedTensor``. With a shared ``values`` buffer that ran out of space, its
@@ -179,11 +198,18 @@ def compress(
     if geometry.max_stream_words(numel, spec.bits) > MAX_TILE_OFFSET:
         raise ValueError("tensor too large for 31-bit tile offsets; split it")
     num_tiles = geometry.num_tiles(numel)
-    masks = torch.empty(num_tiles, geometry.mask_words, dtype=torch.int32, device=x.device)
-    tile_words = torch.empty(num_tiles, dtype=torch.int32, device=x.device)
+    fixed_words = geometry.fixed_nbytes(numel) // 4
+    if fixed is None:
+        fixed = torch.empty(fixed_words, dtype=torch.int32, device=x.device)
+    elif fixed.dtype != torch.int32 or fixed.shape != (fixed_words,) or fixed.device != x.device:
+        raise ValueError(f"fixed must be {fixed_words} int32 words on {x.device}")
+    masks = fixed[: num_tiles * geometry.mask_words].view(num_tiles, geometry.mask_words)
+    tile_words = fixed[num_tiles * geometry.mask_words :]
     base = values.cursor.clone()
     bits = x.detach().reshape(-1).view(spec.bits_dtype)
-    codec.encode(bits, masks, tile_words, values.words, values.cursor, base, spec, geometry, sign_pack)
+    codec.encode(
+        bits, masks, tile_words, values.words, values.cursor, base, spec, geometry, sign_pack, nonzeros
+    )
     return CompressedTensor(
         shape=x.shape,
         dtype=x.dtype,

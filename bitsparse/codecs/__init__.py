@@ -5,14 +5,15 @@ is a preallocated argument whose shape the host knows, and everything whose size
 the data (the value stream) goes into a caller-provided word buffer at a position held in a
 device tensor. Neither entry point synchronizes with the host.
 
-``encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_pack)``
+``encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_pack, nonzeros=None)``
     Reads ``bits`` (the flattened tensor viewed as ``spec.bits_dtype``), writes ``masks``
     (int32 ``[num_tiles, mask_words]``) and ``tile_words`` (int32 ``[num_tiles]``), appends
     the value stream to ``stream`` (int32 words; the last word is a guard that is never
     allocated) and advances ``cursor`` (int64 ``[1]``) by the words used. ``base`` (int64
     ``[1]``) holds the cursor as it was before the call: tile offsets are relative to it.
     A tile that does not fit below the guard is not written; the caller learns this from
-    the cursor, which still advances past the capacity.
+    the cursor, which still advances past the capacity. When given, ``nonzeros`` (int64
+    ``[1]``) is incremented by the number of stored elements (for statistics).
 
 ``decode(masks, tile_words, stream, base, out, spec, geometry, sign_pack)``
     Writes every element of ``out`` (the flattened result viewed as ``spec.bits_dtype``).
@@ -52,6 +53,7 @@ class Codec(Protocol):
         spec: DTypeSpec,
         geometry: TileGeometry,
         sign_pack: bool,
+        nonzeros: torch.Tensor | None = None,
     ) -> None: ...
 
     def decode(

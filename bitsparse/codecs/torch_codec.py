@@ -41,7 +41,7 @@ def tile_counts(masks: torch.Tensor) -> torch.Tensor:
     """Nonzero elements per tile (int64 ``[num_tiles]``), counted from the bitmasks."""
     table = _BYTE_POPCOUNT.to(masks.device)
     per_byte = table[masks.contiguous().view(torch.uint8).int()]
-    return per_byte.view(masks.shape[0], -1).sum(1, dtype=torch.int64)
+    return per_byte.view(masks.shape[0], 4 * masks.shape[1]).sum(1, dtype=torch.int64)
 
 
 def tile_widths(tile_words: torch.Tensor, spec: DTypeSpec) -> torch.Tensor:
@@ -57,7 +57,7 @@ def _tile_bits(masks: torch.Tensor, geometry: TileGeometry) -> torch.Tensor:
     return bits.view(masks.shape[0], geometry.tile_size).bool()
 
 
-def encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_pack):
+def encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_pack, nonzeros=None):
     num_tiles, tile = masks.shape[0], geometry.tile_size
     if num_tiles == 0:
         return
@@ -72,6 +72,8 @@ def encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_p
     masks.copy_(wrap_signed(mask_words, torch.int32))
 
     counts = nonzero.sum(1)
+    if nonzeros is not None:
+        nonzeros.add_(counts.sum())
     if sign_pack:
         negative = (padded >> (spec.bits - 1)).bool()
         packed = ~(nonzero & negative).any(1)

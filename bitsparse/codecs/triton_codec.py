@@ -31,7 +31,7 @@ name = "triton"
 
 ENCODE_PROGRAMS_PER_SM = 8
 ENCODE_NUM_WARPS = 4
-DECODE_NUM_WARPS = 4
+DECODE_NUM_WARPS = 2
 INTERPRETER_PROGRAMS = 3  # enough to exercise the persistent loop under the interpreter
 
 
@@ -47,13 +47,27 @@ def _popcount(x, HW_POPC: tl.constexpr):
 
 
 @triton.jit
-def _tile_ranks(words, HW_POPC: tl.constexpr):
-    """For mask words ``[W]`` (uint32), each position's rank among the tile's set bits ``[W, 32]``."""
-    cols = tl.arange(0, 32)
-    below = (tl.full([32], 1, tl.uint32) << cols.to(tl.uint32)) - 1
+def _mask_words(nonzero, MASK_WORDS: tl.constexpr):
+    """Pack ``[32 * MASK_WORDS]`` booleans into uint32 words, element ``32 w + i`` at bit i of word w."""
+    bits = tl.reshape(nonzero.to(tl.uint32), [MASK_WORDS, 32])
+    return tl.sum(bits << tl.arange(0, 32)[None, :].to(tl.uint32), axis=1)
+
+
+@triton.jit
+def _tile_ranks(words, offsets, HW_POPC: tl.constexpr):
+    """Each position's rank among the tile's nonzeros, from the tile's mask words (uint32).
+
+    Returns ``(rank, word, count)``: the rank and the mask word of each position in
+    ``offsets`` (``0 .. tile_size - 1``), and the tile's number of nonzeros. The rank is the
+    exclusive scan of the words' popcounts plus the popcount of the word's bits below the
+    position: only ``tile_size / 32`` values are scanned.
+    """
     counts = _popcount(words, HW_POPC)
     word_starts = tl.cumsum(counts, axis=0) - counts
-    return word_starts[:, None] + _popcount(words[:, None] & below[None, :], HW_POPC), counts
+    word = tl.gather(words, offsets // 32, 0)
+    below = (tl.full(offsets.shape, 1, tl.uint32) << (offsets % 32).to(tl.uint32)) - 1
+    rank = tl.gather(word_starts, offsets // 32, 0) + _popcount(word & below, HW_POPC)
+    return rank, word, tl.sum(counts, axis=0)
 
 
 @triton.jit
@@ -67,6 +81,7 @@ def _encode_kernel(
     cursor_ptr,
     base_ptr,
     capacity,
+    nonzeros_ptr,
     scratch_ptr,
     num_tiles,
     num_programs,
@@ -75,6 +90,7 @@ def _encode_kernel(
     BITS: tl.constexpr,
     SIGN_PACK: tl.constexpr,
     PACKED_WORDS_BLOCK: tl.constexpr,
+    COUNT_NONZEROS: tl.constexpr,
     HW_POPC: tl.constexpr,
 ):
     MASK_WORDS: tl.constexpr = TILE // 32
@@ -82,20 +98,24 @@ def _encode_kernel(
     PACKED_BITS: tl.constexpr = BITS - 1
     OVERLAPPING_VALUES: tl.constexpr = 31 // PACKED_BITS + 2
     pid = tl.program_id(0)
-    rows = tl.arange(0, MASK_WORDS)
-    cols = tl.arange(0, 32)
+    offsets = tl.arange(0, TILE)
     base = tl.load(base_ptr)
     for step in range(tiles_per_program):
         # Past the last tile everything below is masked off (and the atomic adds zero).
         tile = pid + step * num_programs
         real = tile < num_tiles
-        index = tile * TILE + rows[:, None] * 32 + cols[None, :]
-        x = tl.load(x_ptr + index, mask=index < numel, other=0)
+        index = tile * TILE + offsets
+        x = tl.load(x_ptr + index, mask=real & (index < numel), other=0)
         nonzero = x != 0
-        words = tl.sum(nonzero.to(tl.uint32) << cols[None, :].to(tl.uint32), axis=1)
-        tl.store(masks_ptr + tile * MASK_WORDS + rows, words.to(tl.int32, bitcast=True), mask=real)
-        rank, counts = _tile_ranks(words, HW_POPC)
-        count = tl.sum(counts, axis=0)
+        words = _mask_words(nonzero, MASK_WORDS)
+        tl.store(
+            masks_ptr + tile * MASK_WORDS + tl.arange(0, MASK_WORDS),
+            words.to(tl.int32, bitcast=True),
+            mask=real,
+        )
+        rank, _, count = _tile_ranks(words, offsets, HW_POPC)
+        if COUNT_NONZEROS:
+            tl.atomic_add(nonzeros_ptr, count.to(tl.int64), sem="relaxed")
         if SIGN_PACK:
             packed = tl.max(tl.where(nonzero & (x < 0), 1, 0)) == 0
         else:
@@ -106,8 +126,13 @@ def _encode_kernel(
         offset = (start - base).to(tl.int32)
         tl.store(tile_words_ptr + tile, offset | (packed.to(tl.int32) << 31), mask=real)
         fits = start + length <= capacity
-        tl.store(values_ptr + start * VALUES_PER_WORD + rank, x, mask=nonzero & fits & (not packed))
+        raw_values = values_ptr + start * VALUES_PER_WORD
+        tl.store(raw_values + rank, x, mask=nonzero & fits & (not packed))
+        # Zero the unused slots of the tile's last word, so the stream's bytes are defined.
+        padding = count + tl.arange(0, VALUES_PER_WORD)
+        tl.store(raw_values + padding, 0, mask=(padding < length * VALUES_PER_WORD) & fits & (not packed))
         if SIGN_PACK:
+            # Compact the values in scratch (it stays in L2), then build each word whole.
             scratch = scratch_ptr + pid * TILE
             tl.store(scratch + rank, x, mask=nonzero & packed)
             tl.debug_barrier()
@@ -148,11 +173,10 @@ def _decode_kernel(
     VALUES_PER_WORD: tl.constexpr = 32 // BITS
     PACKED_BITS: tl.constexpr = BITS - 1
     tile = tl.program_id(0)
-    rows = tl.arange(0, MASK_WORDS)
-    cols = tl.arange(0, 32)
-    words = tl.load(masks_ptr + tile * MASK_WORDS + rows).to(tl.uint32, bitcast=True)
-    rank, counts = _tile_ranks(words, HW_POPC)
-    nonzero = ((words[:, None] >> cols[None, :].to(tl.uint32)) & 1) != 0
+    offsets = tl.arange(0, TILE)
+    words = tl.load(masks_ptr + tile * MASK_WORDS + tl.arange(0, MASK_WORDS))
+    rank, word, _ = _tile_ranks(words.to(tl.uint32, bitcast=True), offsets, HW_POPC)
+    nonzero = ((word >> (offsets % 32).to(tl.uint32)) & 1) != 0
     tile_word = tl.load(tile_words_ptr + tile)
     packed = tile_word < 0
     start = tl.load(base_ptr) + (tile_word & 0x7FFFFFFF)
@@ -168,7 +192,7 @@ def _decode_kernel(
         high = high.to(tl.uint32, bitcast=True) << ((32 - shift) & 31)
         value = (low | high) & ((1 << PACKED_BITS) - 1)
         x = tl.where(packed, value.to(x.dtype), x)
-    index = tile * TILE + rows[:, None] * 32 + cols[None, :]
+    index = tile * TILE + offsets
     tl.store(out_ptr + index, x, mask=index < numel)
 
 
@@ -191,11 +215,13 @@ def _encode_programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count * ENCODE_PROGRAMS_PER_SM
 
 
-def encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_pack):
+def encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_pack, nonzeros=None):
     num_tiles, tile = masks.shape[0], geometry.tile_size
     if num_tiles == 0:
         return
-    programs = min(num_tiles, _encode_programs(bits.device))
+    # Only sign packing needs a persistent grid (for its per-program scratch); without it one
+    # program per tile measured faster (docs/benchmarks.md).
+    programs = min(num_tiles, _encode_programs(bits.device)) if sign_pack else num_tiles
     scratch = torch.empty(programs * tile if sign_pack else 1, dtype=bits.dtype, device=bits.device)
     packed_words = triton.next_power_of_2(-(-tile * spec.packed_bits // WORD_BITS))
     _encode_kernel[(programs,)](
@@ -208,6 +234,7 @@ def encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_p
         cursor,
         base,
         stream.numel() - 1,
+        cursor if nonzeros is None else nonzeros,
         scratch,
         num_tiles,
         programs,
@@ -216,6 +243,7 @@ def encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_p
         BITS=spec.bits,
         SIGN_PACK=sign_pack,
         PACKED_WORDS_BLOCK=packed_words,
+        COUNT_NONZEROS=nonzeros is not None,
         HW_POPC=not INTERPRETED,
         num_warps=ENCODE_NUM_WARPS,
     )

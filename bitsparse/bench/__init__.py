@@ -1,0 +1,1 @@
+"""Benchmark suites; run ``python -m bitsparse.bench --help``."""

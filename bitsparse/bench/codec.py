@@ -1,0 +1,160 @@
+"""Codec throughput: encode and decode against a device-to-device copy, on one CUDA device.
+
+Bandwidth counts bytes read plus bytes written, the way the copy is counted: encode reads the
+dense tensor and writes masks, tile words and the value stream; decode does the reverse.
+Every case is checked for an exact round trip before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+
+import torch
+
+from bitsparse.codecs import get_codec
+from bitsparse.compressed import ValueBuffer
+from bitsparse.format import TileGeometry, dtype_spec
+
+CASES = [
+    # (dtype, zero fraction, sign_pack)
+    (torch.bfloat16, 0.5, False),
+    (torch.bfloat16, 0.9, False),
+    (torch.bfloat16, 0.5, True),
+    (torch.bfloat16, 0.9, True),
+    (torch.float8_e4m3fn, 0.5, False),
+    (torch.float8_e4m3fn, 0.9, False),
+    (torch.float8_e4m3fn, 0.9, True),
+    (torch.float32, 0.9, False),
+]
+
+
+def relu_like(numel: int, zero_fraction: float, dtype: torch.dtype, device) -> torch.Tensor:
+    """ReLU of shifted Gaussians: ``zero_fraction`` of the elements are exactly zero."""
+    shift = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(zero_fraction)).item()
+    x = torch.randn(numel, device=device, dtype=torch.float32).sub_(shift).relu_()
+    return x.to(dtype)
+
+
+def time_ms(fn, before=None, reps: int = 30, warmup: int = 5) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` runs, timed with CUDA events.
+
+    ``before`` runs ahead of each timed call, outside the timed window.
+    """
+    for _ in range(warmup):
+        if before:
+            before()
+        fn()
+    times = []
+    for _ in range(reps):
+        if before:
+            before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times)
+
+
+def measure(x: torch.Tensor, sign_pack: bool, backend: str, reps: int) -> dict:
+    spec = dtype_spec(x.dtype)
+    geometry = TileGeometry()
+    codec = get_codec(backend, x.device)
+    bits = x.view(spec.bits_dtype)
+    num_tiles = geometry.num_tiles(x.numel())
+    masks = torch.empty(num_tiles, geometry.mask_words, dtype=torch.int32, device=x.device)
+    tile_words = torch.empty(num_tiles, dtype=torch.int32, device=x.device)
+    values = ValueBuffer(geometry.max_stream_words(x.numel(), spec.bits), x.device)
+    base = torch.zeros(1, dtype=torch.int64, device=x.device)
+    out = torch.empty_like(bits)
+
+    def encode():
+        codec.encode(bits, masks, tile_words, values.words, values.cursor, base, spec, geometry, sign_pack)
+
+    def decode():
+        codec.decode(masks, tile_words, values.words, base, out, spec, geometry, sign_pack)
+
+    values.reset()
+    encode()
+    decode()
+    if not torch.equal(out, bits):
+        raise AssertionError(f"round trip failed for {x.dtype}, sign_pack={sign_pack}")
+    stream_bytes = 4 * int(values.cursor)
+    fixed_bytes = masks.numel() * 4 + tile_words.numel() * 4
+    moved = x.numel() * spec.itemsize + fixed_bytes + stream_bytes
+    encode_ms = time_ms(encode, before=values.reset, reps=reps)
+    decode_ms = time_ms(decode, reps=reps)
+    return {
+        "stored_bytes": fixed_bytes + stream_bytes,
+        "encode_ms": encode_ms,
+        "decode_ms": decode_ms,
+        "encode_gbs": moved / encode_ms / 1e6,
+        "decode_gbs": moved / decode_ms / 1e6,
+    }
+
+
+def copy_gbs(numel: int, reps: int) -> float:
+    src = torch.empty(numel * 2, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), reps=reps)
+    return 2 * src.numel() / ms / 1e6
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    if not torch.cuda.is_available():
+        raise SystemExit("the codec benchmark needs a CUDA device")
+    torch.manual_seed(0)
+    numel = 1 << args.log2_numel
+    copy = copy_gbs(numel, args.reps)
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy:.0f} GB/s "
+          f"(bytes read + written), {numel} elements per case")
+    rows = []
+    header = f"{'dtype':<14}{'zeros':>6}{'packed':>7}{'ratio':>7}{'encode GB/s':>13}{'%copy':>7}{'decode GB/s':>13}{'%copy':>7}"
+    print(header)
+    for dtype, zeros, sign_pack in CASES:
+        x = relu_like(numel, zeros, dtype, "cuda")
+        result = measure(x, sign_pack, args.backend, args.reps)
+        row = {
+            "dtype": str(dtype).removeprefix("torch."),
+            "zeros": zeros,
+            "sign_pack": sign_pack,
+            "ratio": x.numel() * x.element_size() / result["stored_bytes"],
+            **result,
+            "encode_pct_copy": 100 * result["encode_gbs"] / copy,
+            "decode_pct_copy": 100 * result["decode_gbs"] / copy,
+            "copy_gbs": copy,
+        }
+        rows.append(row)
+        print(f"{row['dtype']:<14}{zeros:>6.2f}{str(sign_pack):>7}{row['ratio']:>7.2f}"
+              f"{row['encode_gbs']:>13.0f}{row['encode_pct_copy']:>6.1f}%"
+              f"{row['decode_gbs']:>13.0f}{row['decode_pct_copy']:>6.1f}%")
+        del x
+    return rows
+
+
+def sweep(args: argparse.Namespace) -> None:
+    """Try the Triton launch parameters on bf16 at 50% zeros and print each configuration."""
+    from bitsparse.codecs import triton_codec
+
+    torch.manual_seed(0)
+    numel = 1 << args.log2_numel
+    copy = copy_gbs(numel, args.reps)
+    x = relu_like(numel, 0.5, torch.bfloat16, "cuda")
+    for sign_pack in (False, True):
+        for warps, per_sm in itertools.product((2, 4, 8), (4, 16)):
+            triton_codec.ENCODE_NUM_WARPS = triton_codec.DECODE_NUM_WARPS = warps
+            triton_codec.ENCODE_PROGRAMS_PER_SM = per_sm
+            triton_codec._encode_programs.cache_clear()
+            r = measure(x, sign_pack, "triton", args.reps)
+            print(f"sign_pack={sign_pack!s:<5} warps={warps:<3} programs/SM={per_sm:<3} "
+                  f"encode {100 * r['encode_gbs'] / copy:5.1f}%  decode {100 * r['decode_gbs'] / copy:5.1f}%")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log2-numel", type=int, default=28, help="elements per case, as a power of two")
+    parser.add_argument("--reps", type=int, default=30, help="timed runs per measurement (median)")
+    parser.add_argument("--backend", default="triton", choices=("triton", "torch"))
+    parser.add_argument("--sweep", action="store_true", help="sweep Triton launch parameters instead")

@@ -1,0 +1,1 @@
+"""Saved-tensor hooks that store ReLU-family activations compressed."""

@@ -1,0 +1,115 @@
+"""What a pack hook returns in place of a saved tensor, and how unpack restores it.
+
+Every handle restores a tensor of the original size, dtype and device, equal bit for bit.
+A handle counts the saved slots that hold it; within one backward, the decoded tensor is
+kept until every slot has been unpacked, then dropped (a second backward decodes again).
+Unpacking never frees storage: that happens when autograd releases the handle.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from bitsparse.compressed import CompressedTensor, decompress
+
+
+class Handle:
+    """Base: slot counting and the per-backward cache of the restored tensor."""
+
+    __slots__ = ("slots", "_unpacked", "_cache", "__weakref__")
+
+    def __init__(self):
+        self.slots = 0
+        self._unpacked = 0
+        self._cache: torch.Tensor | None = None
+
+    def _restore(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def tensor(self) -> torch.Tensor:
+        """The restored tensor, decoded at most once per backward."""
+        if self._cache is None:
+            self._cache = self._restore()
+        return self._cache
+
+    def unpack(self) -> torch.Tensor:
+        """Restore for one saved slot; after the last slot of a backward, drop the cache."""
+        value = self.tensor()
+        self._unpacked += 1
+        if self._unpacked >= self.slots:
+            self._unpacked = 0
+            self._cache = None
+        return value
+
+
+class StoredTensor(Handle):
+    """A tensor compressed into an arena.
+
+    Until the arena confirms that the values fit, ``dense`` keeps the original tensor (and
+    serves unpacks); if they did not fit, it keeps it for good (a fallback).
+    """
+
+    __slots__ = ("compressed", "dense", "backend", "fits", "lease")
+
+    def __init__(self, compressed: CompressedTensor, dense: torch.Tensor, backend: str | None, lease):
+        super().__init__()
+        self.compressed = compressed
+        self.dense: torch.Tensor | None = dense
+        self.backend = backend
+        self.fits: bool | None = None
+        self.lease = lease
+
+    def confirm(self, fits: bool) -> None:
+        self.fits = fits
+        if fits:
+            self.dense = None
+
+    def _restore(self) -> torch.Tensor:
+        if self.dense is not None:
+            return self.dense
+        return decompress(self.compressed, backend=self.backend)
+
+    def __del__(self):
+        self.lease.release()
+
+
+class ViewOf(Handle):
+    """A view of a tensor another handle stores (the same storage saved twice).
+
+    ``size``, ``stride`` and ``offset`` place the view in the source's restored tensor.
+    """
+
+    __slots__ = ("source", "size", "stride", "offset")
+
+    def __init__(self, source: Handle, size, stride, offset: int):
+        super().__init__()
+        self.source = source
+        self.size, self.stride, self.offset = size, stride, offset
+
+    def _restore(self) -> torch.Tensor:
+        return self.source.tensor().as_strided(self.size, self.stride, self.offset)
+
+
+class Recomputed(Handle):
+    """A tensor recomputed at unpack from another handle's tensor (the square of a ReLU)."""
+
+    __slots__ = ("source", "op", "size", "stride", "offset")
+
+    def __init__(
+        self,
+        source: Handle,
+        op: Callable[[torch.Tensor], torch.Tensor],
+        like: torch.Tensor,
+        result_offset: int,
+    ):
+        super().__init__()
+        self.source = source
+        self.op = op
+        self.size, self.stride = like.shape, like.stride()
+        self.offset = like.storage_offset() - result_offset
+
+    def _restore(self) -> torch.Tensor:
+        result = self.op(self.source.tensor())
+        return result.as_strided(self.size, self.stride, self.offset)

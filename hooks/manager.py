@@ -1,0 +1,421 @@
+"""The pack and unpack hooks: which saved tensors to compress, and where they go.
+
+``Session`` holds what outlives one forward pass: an arena per device, the provenance
+tracker, the table of stored tensors (to store each once) and the statistics of the step.
+A step begins at the first pack after every handle of the previous step was released.
+The hooks only call the public codec API; they know nothing of the kernels' insides.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field, fields
+
+import psutil
+import torch
+
+from bitsparse.allocator import Arena
+from bitsparse.compressed import compress
+from bitsparse.format import SUPPORTED_DTYPES, TileGeometry
+from bitsparse.hooks.handles import Handle, Recomputed, StoredTensor, ViewOf
+from bitsparse.hooks.provenance import ProvenanceTracker, Record, span_end
+
+SELECTIONS = ("relu", "all")
+CPU_AUTO_CAPACITY = 64 << 20
+CUDA_AUTO_FRACTION = 0.125
+PROFITABLE_RATIO = 1.1
+"""With ``select="all"``, a save site whose tensors shrink less than this is skipped."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """How saved tensors are stored; the keyword arguments of ``compressing``/``enable``.
+
+    Attributes:
+        capacity: the arena's initial size per device: bytes (int), a fraction of the
+            device's free memory (float in (0, 1]; available RAM on the CPU), or "auto" (1/8
+            of free CUDA memory, 64 MiB on the CPU). The arena then grows or shrinks between
+            steps to fit what the last step needed.
+        sign_pack: drop the sign bit of ReLU-family values (never lossy: see ``compress``).
+        min_numel: tensors with fewer elements are kept as they are.
+        select: "relu" compresses tensors that ReLU-family ops produced (and their squares);
+            "all" tries every floating tensor and stops trying save sites that do not pay.
+        backend: codec backend, as for ``compress`` (None: Triton on CUDA, torch elsewhere).
+        window: most compressed tensors whose fit the host has not confirmed yet.
+        recompute_squares: restore ``relu(x) ** 2`` from the stored ``relu(x)`` rather than
+            storing it too, where that is verified bit-identical for the dtype and device.
+    """
+
+    capacity: int | float | str = "auto"
+    sign_pack: bool = False
+    min_numel: int = 1 << 16
+    select: str = "relu"
+    backend: str | None = None
+    window: int = 8
+    recompute_squares: bool = True
+
+    def __post_init__(self):
+        c = self.capacity
+        if isinstance(c, bool) or not (
+            c == "auto" or (isinstance(c, int) and c > 0) or (isinstance(c, float) and 0 < c <= 1)
+        ):
+            raise ValueError(
+                f"capacity must be a number of bytes (int > 0), a fraction of free memory "
+                f"(float in (0, 1]) or 'auto'; got {c!r}"
+            )
+        if self.select not in SELECTIONS:
+            raise ValueError(f"select must be one of {SELECTIONS}, got {self.select!r}")
+        if not isinstance(self.min_numel, int) or self.min_numel < 0:
+            raise ValueError(f"min_numel must be an int >= 0, got {self.min_numel!r}")
+        if self.backend not in (None, "torch", "triton"):
+            raise ValueError(f"backend must be None, 'torch' or 'triton', got {self.backend!r}")
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window must be an int >= 1, got {self.window!r}")
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict) -> "Options":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown option(s) {unknown}; the options are {sorted(known)}")
+        return cls(**kwargs)
+
+
+@dataclass
+class Stats:
+    """Accounting for one step: the one in progress, or the last finished one.
+
+    Sizes are in bytes. ``dense_bytes`` is what the compressed tensors took dense and
+    ``stored_bytes`` what they take now (masks, tile words and values; a fallback counts
+    dense). ``ratio = dense_bytes / stored_bytes``. ``zero_fraction`` is over the compressed
+    tensors. Deduplicated and recomputed saves cost nothing and are counted apart.
+    """
+
+    step: int = 0
+    tensors_seen: int = 0
+    tensors_compressed: int = 0
+    tensors_deduplicated: int = 0
+    tensors_recomputed: int = 0
+    tensors_skipped: dict[str, int] = field(default_factory=dict)
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    dense_bytes: int = 0
+    stored_bytes: int = 0
+    zero_fraction: float = 0.0
+    arena_capacity: int = 0
+    arena_peak: int = 0
+    window_waits: int = 0
+
+    @property
+    def ratio(self) -> float:
+        return self.dense_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    def as_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["ratio"] = self.ratio
+        return d
+
+    def __str__(self) -> str:
+        mib = 1 << 20
+        skipped = ", ".join(f"{k} {v}" for k, v in sorted(self.tensors_skipped.items())) or "none"
+        fallbacks = ", ".join(f"{k} {v}" for k, v in sorted(self.fallbacks.items())) or "none"
+        return (
+            f"step {self.step}: {self.tensors_compressed}/{self.tensors_seen} saved tensors compressed "
+            f"(+{self.tensors_deduplicated} shared, {self.tensors_recomputed} recomputed), "
+            f"{self.dense_bytes / mib:.1f} MiB -> {self.stored_bytes / mib:.1f} MiB "
+            f"({self.ratio:.2f}x, {100 * self.zero_fraction:.1f}% zeros), "
+            f"arena {self.arena_peak / mib:.1f}/{self.arena_capacity / mib:.1f} MiB; "
+            f"skipped: {skipped}; fallbacks: {fallbacks}"
+        )
+
+
+class _StepCollector:
+    """Counters of one step, filled in by packs and by the arenas' asynchronous reports."""
+
+    def __init__(self, step: int):
+        self.stats = Stats(step=step)
+        self.skipped: Counter = Counter()
+        self.fallbacks: Counter = Counter()
+        self.numel = 0
+        self.nonzeros: dict[torch.device, torch.Tensor] = {}
+        self.arenas: set = set()
+
+    def finish(self) -> Stats:
+        """The step's statistics; synchronizes once to read the device counters."""
+        for arena in self.arenas:
+            arena.drain()
+        s = self.stats
+        s.tensors_skipped, s.fallbacks = dict(self.skipped), dict(self.fallbacks)
+        nonzeros = sum(int(n) for n in self.nonzeros.values())
+        s.zero_fraction = 1 - nonzeros / self.numel if self.numel else 0.0
+        usages = [arena.usage() for arena in self.arenas]
+        s.arena_capacity = sum(u.capacity for u in usages)
+        s.arena_peak = sum(u.peak for u in usages)
+        s.window_waits = sum(u.window_waits for u in usages)
+        return s
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A leaf that requires grad, or a view of one (Linear saves ``weight.t()``)."""
+    base = t._base if t._base is not None else t
+    return base.is_leaf and base.requires_grad
+
+
+class Session:
+    """Process-wide state behind ``compressing()`` and ``enable()``."""
+
+    def __init__(self):
+        self.tracker = ProvenanceTracker()
+        self._lock = threading.RLock()
+        self._arenas: dict[torch.device, Arena] = {}
+        self._geometry = TileGeometry()
+        self._live = 0
+        self._step = 0
+        self._collector = _StepCollector(0)
+        self._stored: dict[tuple[int, int], list] = {}
+        self._unprofitable: set = set()
+        self._recompute_verified: dict[tuple, bool] = {}
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def pack(self, t: torch.Tensor, options: Options):
+        with self._lock:
+            if self._live == 0 and self._collector.arenas:
+                self._begin_step()
+            stats = self._collector.stats
+            stats.tensors_seen += 1
+            reason = self._skip_reason(t, options)
+            if reason is not None:
+                self._collector.skipped[reason] += 1
+                return t
+            record = self.tracker.lookup(t)
+            found = self._find_stored(t)
+            if found is not None:
+                stats.tensors_deduplicated += 1
+            elif record is not None and record.square_of is not None and options.recompute_squares:
+                found = self._recompute(record, t)
+                if found is not None:
+                    stats.tensors_recomputed += 1
+            if found is None:
+                nonnegative = record is not None or self.tracker.in_flight(t)
+                if options.select == "relu" and not nonnegative:
+                    self._collector.skipped["not_relu_family"] += 1
+                    return t
+                handle = self._store(t, options, sign_pack=options.sign_pack and nonnegative)
+                if handle is None:
+                    return t
+                found = (handle, t.storage_offset())
+            if record is not None and record.stored is None:
+                record.stored = (weakref.ref(found[0]), found[1])
+            return self._slot(*found, t)
+
+    def unpack(self, packed) -> torch.Tensor:
+        if not isinstance(packed, Handle):
+            return packed
+        with self._lock:
+            self._poll()
+            return packed.unpack()
+
+    # -- decisions --------------------------------------------------------------------------
+
+    def _skip_reason(self, t: torch.Tensor, options: Options) -> str | None:
+        if t.dtype not in SUPPORTED_DTYPES:
+            return "dtype"
+        if t.numel() < max(options.min_numel, 1):
+            return "small"
+        if t.layout != torch.strided or t.device.type not in ("cuda", "cpu"):
+            return "layout_or_device"
+        if _is_parameter(t):
+            return "parameter"
+        if options.select == "all" and self._site(t) in self._unprofitable:
+            return "unprofitable_site"
+        return None
+
+    @staticmethod
+    def _site(t: torch.Tensor) -> tuple:
+        return (type(t.grad_fn).__name__, tuple(t.shape), t.dtype)
+
+    # -- storing ----------------------------------------------------------------------------
+
+    def _arena(self, device: torch.device, options: Options) -> Arena:
+        arena = self._arenas.get(device)
+        if arena is None:
+            arena = Arena(device, _initial_capacity(device, options.capacity), window=options.window)
+            self._arenas[device] = arena
+        return arena
+
+    def _store(self, t: torch.Tensor, options: Options, sign_pack: bool) -> StoredTensor | None:
+        """Compress ``t`` into its device's arena; None (keep ``t``) when the arena is full."""
+        collector = self._collector
+        arena = self._arena(t.device, options)
+        lease = _StepLease(self, arena.open_lease())
+        collector.arenas.add(arena)
+        fixed = arena.reserve_fixed(self._geometry.fixed_nbytes(t.numel()) // 4)
+        if fixed is None:
+            lease.release()
+            collector.fallbacks["arena_full"] += 1
+            return None
+        nonzeros = collector.nonzeros.get(t.device)
+        if nonzeros is None:
+            nonzeros = collector.nonzeros[t.device] = torch.zeros(1, dtype=torch.int64, device=t.device)
+        compressed = compress(
+            t,
+            sign_pack=sign_pack,
+            backend=options.backend,
+            geometry=self._geometry,
+            values=arena.values,
+            fixed=fixed,
+            nonzeros=nonzeros,
+        )
+        handle = StoredTensor(compressed, t.detach(), options.backend, lease)
+        stats = collector.stats
+        stats.tensors_compressed += 1
+        stats.dense_bytes += compressed.dense_nbytes
+        collector.numel += t.numel()
+        arena.submit(
+            _confirmation(
+                weakref.ref(handle),
+                collector,
+                capacity=arena.values.capacity,
+                fixed_bytes=fixed.numel() * 4,
+                dense_bytes=compressed.dense_nbytes,
+                site=self._site(t) if options.select == "all" else None,
+                unprofitable=self._unprofitable,
+            )
+        )
+        if t.is_contiguous():
+            self._remember(t, handle)
+        return handle
+
+    def _remember(self, t: torch.Tensor, handle: Handle) -> None:
+        """Note that ``handle`` restores ``t``'s span, valid while ``t``'s storage lives."""
+        storage = t.untyped_storage()
+        self._stored.setdefault((storage.data_ptr(), t._version), []).append(
+            (t.storage_offset(), span_end(t), t.dtype, weakref.ref(handle), weakref.ref(storage))
+        )
+
+    def _find_stored(self, t: torch.Tensor) -> tuple[Handle, int] | None:
+        """A handle already restoring ``t``'s elements (the same storage saved again)."""
+        offset, end = t.storage_offset(), span_end(t)
+        for start, stop, dtype, handle_ref, storage_ref in self._stored.get(
+            (t.untyped_storage().data_ptr(), t._version), ()
+        ):
+            handle = handle_ref()
+            if storage_ref() is not None and handle is not None and dtype == t.dtype and start <= offset and end <= stop:
+                return handle, start
+        return None
+
+    def _recompute(self, record: Record, t: torch.Tensor) -> tuple[Handle, int] | None:
+        """A handle that restores the square ``record`` describes from its stored source."""
+        source = record.square_of
+        source_handle = source.stored[0]() if source.stored is not None else None
+        if source_handle is None:
+            return None
+        source_view = ViewOf(source_handle, source.shape, source.stride, source.offset - source.stored[1])
+        result = t.as_strided(record.shape, record.stride, record.offset)
+        key = (result.dtype, result.device.type)
+        if key not in self._recompute_verified:
+            # Once per dtype and device: is the recomputed square the forward's, bit for bit?
+            recomputed = torch.square(source_view.tensor())
+            self._recompute_verified[key] = bool(
+                torch.equal(recomputed.view(torch.uint8), result.detach().contiguous().view(torch.uint8))
+            )
+            source_view._cache = source_handle._cache = None  # nothing decoded stays alive
+        if not self._recompute_verified[key]:
+            return None
+        handle = Recomputed(source_view, torch.square, result, record.offset)
+        self._remember(result, handle)
+        return handle, record.offset
+
+    @staticmethod
+    def _slot(handle: Handle, start: int, t: torch.Tensor) -> Handle:
+        """Count one more saved slot: ``handle`` itself, or a view of it if ``t`` is a view."""
+        if not _same_geometry(handle, t, start):
+            handle = ViewOf(handle, t.shape, t.stride(), t.storage_offset() - start)
+        handle.slots += 1
+        return handle
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        for arena in self._arenas.values():
+            arena.poll()
+
+    def _begin_step(self) -> None:
+        self._step += 1
+        self._collector = _StepCollector(self._step)
+        self._stored.clear()
+
+    def _released(self) -> None:
+        with self._lock:
+            self._live -= 1
+            if self._live == 0:
+                self._stored.clear()
+                self.tracker.clear()
+
+    def stats(self) -> Stats:
+        with self._lock:
+            return self._collector.finish()
+
+    def reset(self) -> None:
+        """Forget arenas and learned state (only when nothing is stored)."""
+        with self._lock:
+            if self._live:
+                raise RuntimeError("cannot reset while compressed tensors are alive; run backward first")
+            self._arenas.clear()
+            self._unprofitable.clear()
+            self._recompute_verified.clear()
+
+
+def _same_geometry(handle: Handle, t: torch.Tensor, start: int) -> bool:
+    """Whether ``t`` is exactly the tensor ``handle`` restores (stored at ``start``)."""
+    if isinstance(handle, StoredTensor):
+        return t.storage_offset() == start and t.is_contiguous() and t.shape == handle.compressed.shape
+    return (t.shape, t.stride(), t.storage_offset() - start) == (handle.size, handle.stride, handle.offset)
+
+
+class _StepLease:
+    """An arena lease that also counts the session's live handles."""
+
+    __slots__ = ("_session", "_lease")
+
+    def __init__(self, session: Session, lease):
+        self._session, self._lease = session, lease
+        session._live += 1
+
+    def release(self) -> None:
+        if self._lease is not None:
+            lease, self._lease = self._lease, None
+            lease.release()
+            self._session._released()
+
+
+def _confirmation(handle_ref, collector, *, capacity, fixed_bytes, dense_bytes, site, unprofitable):
+    """The callback an arena calls with where this tensor's values started and ended."""
+
+    def confirm(start: int, end: int) -> None:
+        fits = end <= capacity
+        stored = fixed_bytes + 4 * (end - start) if fits else dense_bytes
+        collector.stats.stored_bytes += stored
+        if not fits:
+            collector.fallbacks["arena_full"] += 1
+        if site is not None and dense_bytes < PROFITABLE_RATIO * stored:
+            unprofitable.add(site)
+        handle = handle_ref()
+        if handle is not None:
+            handle.confirm(fits)
+
+    return confirm
+
+
+def _initial_capacity(device: torch.device, capacity) -> int:
+    if isinstance(capacity, int):
+        return capacity
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        if capacity == "auto":
+            return CPU_AUTO_CAPACITY
+        free = psutil.virtual_memory().available
+    return int(free * (CUDA_AUTO_FRACTION if capacity == "auto" else capacity))
