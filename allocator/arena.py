@@ -44,6 +44,7 @@ class ArenaUsage:
     """What the last finished step (or the one in progress) asked of the arena, in bytes."""
 
     capacity: int
+    values_capacity: int
     fixed_used: int
     fixed_demand: int
     values_demand: int
@@ -52,7 +53,7 @@ class ArenaUsage:
     @property
     def peak(self) -> int:
         """Bytes in use at the step's end (its peak, since nothing is freed within a step)."""
-        return self.fixed_used + min(self.values_demand, self.capacity - self.fixed_used)
+        return self.fixed_used + min(self.values_demand, self.values_capacity)
 
 
 class Lease:
@@ -206,6 +207,7 @@ class Arena:
         """The current step's demand so far (only confirmed appends count; see ``drain``)."""
         return ArenaUsage(
             capacity=self.capacity_bytes,
+            values_capacity=self.values.capacity * WORD_BYTES,
             fixed_used=self._fixed_used * WORD_BYTES,
             fixed_demand=self._fixed_demand * WORD_BYTES,
             values_demand=self._values_demand * WORD_BYTES,

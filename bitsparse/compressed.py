@@ -201,12 +201,21 @@ def compress(
     fixed_words = geometry.fixed_nbytes(numel) // 4
     if fixed is None:
         fixed = torch.empty(fixed_words, dtype=torch.int32, device=x.device)
-    elif fixed.dtype != torch.int32 or fixed.shape != (fixed_words,) or fixed.device != x.device:
-        raise ValueError(f"fixed must be {fixed_words} int32 words on {x.device}")
+    elif (
+        fixed.dtype != torch.int32
+        or fixed.shape != (fixed_words,)
+        or fixed.device != x.device
+        or not fixed.is_contiguous()
+    ):
+        raise ValueError(f"fixed must be {fixed_words} contiguous int32 words on {x.device}")
+    if nonzeros is not None and (
+        nonzeros.dtype != torch.int64 or nonzeros.shape != (1,) or nonzeros.device != x.device
+    ):
+        raise ValueError(f"nonzeros must be an int64 tensor of shape (1,) on {x.device}")
     masks = fixed[: num_tiles * geometry.mask_words].view(num_tiles, geometry.mask_words)
     tile_words = fixed[num_tiles * geometry.mask_words :]
     base = values.cursor.clone()
-    bits = x.detach().reshape(-1).view(spec.bits_dtype)
+    bits = x.detach().contiguous().view(-1).view(spec.bits_dtype)
     codec.encode(
         bits, masks, tile_words, values.words, values.cursor, base, spec, geometry, sign_pack, nonzeros
     )

@@ -32,6 +32,7 @@ class _Installation:
         self._tracking = False
 
     def __enter__(self):
+        _session.begin_step_if_idle()
         depth = getattr(_local, "tracking_depth", 0)
         if depth == 0:
             _session.tracker.__enter__()
@@ -42,6 +43,7 @@ class _Installation:
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
+        _session.poll()
         _local.tracking_depth -= 1
         if self._tracking:
             _session.tracker.__exit__(*exc)

@@ -48,18 +48,28 @@ class StoredTensor(Handle):
     """A tensor compressed into an arena.
 
     Until the arena confirms that the values fit, ``dense`` keeps the original tensor (and
-    serves unpacks); if they did not fit, it keeps it for good (a fallback).
+    serves unpacks); if they did not fit, it keeps it for good (a fallback). ``compressed``
+    is None when the arena had no room even for the masks. The tensor is compressed in its
+    memory order (``order``), so the restored tensor has the original strides.
     """
 
-    __slots__ = ("compressed", "dense", "backend", "fits", "lease")
+    __slots__ = ("compressed", "dense", "backend", "fits", "lease", "order")
 
-    def __init__(self, compressed: CompressedTensor, dense: torch.Tensor, backend: str | None, lease):
+    def __init__(
+        self,
+        compressed: CompressedTensor | None,
+        dense: torch.Tensor,
+        backend: str | None,
+        lease,
+        order: tuple[int, ...] | None,
+    ):
         super().__init__()
         self.compressed = compressed
         self.dense: torch.Tensor | None = dense
         self.backend = backend
         self.fits: bool | None = None
         self.lease = lease
+        self.order = order  # the tensor was compressed as dense.permute(order)
 
     def confirm(self, fits: bool) -> None:
         self.fits = fits
@@ -69,7 +79,9 @@ class StoredTensor(Handle):
     def _restore(self) -> torch.Tensor:
         if self.dense is not None:
             return self.dense
-        return decompress(self.compressed, backend=self.backend)
+        restored = decompress(self.compressed, backend=self.backend)
+        inverse = sorted(range(len(self.order)), key=self.order.__getitem__)
+        return restored.permute(inverse)
 
     def __del__(self):
         self.lease.release()

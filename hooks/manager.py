@@ -8,6 +8,7 @@ The hooks only call the public codec API; they know nothing of the kernels' insi
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from collections import Counter
@@ -17,7 +18,7 @@ import psutil
 import torch
 
 from bitsparse.allocator import Arena
-from bitsparse.compressed import compress
+from bitsparse.compressed import MAX_NUMEL, compress
 from bitsparse.format import SUPPORTED_DTYPES, TileGeometry
 from bitsparse.hooks.handles import Handle, Recomputed, StoredTensor, ViewOf
 from bitsparse.hooks.provenance import ProvenanceTracker, Record, span_end
@@ -53,7 +54,7 @@ class Options:
     min_numel: int = 1 << 16
     select: str = "relu"
     backend: str | None = None
-    window: int = 8
+    window: int = 4
     recompute_squares: bool = True
 
     def __post_init__(self):
@@ -156,6 +157,13 @@ class _StepCollector:
         return s
 
 
+def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation of ``t``'s dims that makes it contiguous, or None when none does
+    (overlapping or gapped strides)."""
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d])))
+    return order if t.permute(order).is_contiguous() else None
+
+
 def _is_parameter(t: torch.Tensor) -> bool:
     """A leaf that requires grad, or a view of one (Linear saves ``weight.t()``)."""
     base = t._base if t._base is not None else t
@@ -168,7 +176,7 @@ class Session:
     def __init__(self):
         self.tracker = ProvenanceTracker()
         self._lock = threading.RLock()
-        self._arenas: dict[torch.device, Arena] = {}
+        self._arenas: dict[torch.device, tuple[Arena, tuple]] = {}
         self._geometry = TileGeometry()
         self._live = 0
         self._step = 0
@@ -180,16 +188,23 @@ class Session:
     # -- hooks ------------------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor, options: Options):
+        # Most saved tensors are skipped: decide that first, cheaply.
+        reason = self._skip_reason(t, options)
+        record = None
+        if reason is None:
+            record = self.tracker.lookup(t)
+            if options.select == "relu" and record is None and not self.tracker.in_flight(t):
+                reason = "not_relu_family"
         with self._lock:
             if self._live == 0 and self._collector.arenas:
                 self._begin_step()
             stats = self._collector.stats
             stats.tensors_seen += 1
-            reason = self._skip_reason(t, options)
             if reason is not None:
                 self._collector.skipped[reason] += 1
                 return t
-            record = self.tracker.lookup(t)
+            # Confirmed tensors release their dense copy here, during the forward.
+            self._poll()
             found = self._find_stored(t)
             if found is not None:
                 stats.tensors_deduplicated += 1
@@ -199,13 +214,11 @@ class Session:
                     stats.tensors_recomputed += 1
             if found is None:
                 nonnegative = record is not None or self.tracker.in_flight(t)
-                if options.select == "relu" and not nonnegative:
-                    self._collector.skipped["not_relu_family"] += 1
-                    return t
                 handle = self._store(t, options, sign_pack=options.sign_pack and nonnegative)
-                if handle is None:
-                    return t
-                found = (handle, t.storage_offset())
+                if record is not None and record.stored is None:
+                    record.stored = (weakref.ref(handle), t.storage_offset())
+                handle.slots += 1  # it restores t itself, whatever t's strides
+                return handle
             if record is not None and record.stored is None:
                 record.stored = (weakref.ref(found[0]), found[1])
             return self._slot(*found, t)
@@ -226,6 +239,10 @@ class Session:
             return "small"
         if t.layout != torch.strided or t.device.type not in ("cuda", "cpu"):
             return "layout_or_device"
+        if t.numel() > MAX_NUMEL:
+            return "large"
+        if memory_order(t) is None:
+            return "overlapping_or_gapped"
         if _is_parameter(t):
             return "parameter"
         if options.select == "all" and self._site(t) in self._unprofitable:
@@ -239,28 +256,39 @@ class Session:
     # -- storing ----------------------------------------------------------------------------
 
     def _arena(self, device: torch.device, options: Options) -> Arena:
-        arena = self._arenas.get(device)
-        if arena is None:
+        """The device's arena; a new one when the options ask for another capacity or window
+        (only between steps, when nothing in the old one is alive)."""
+        configured = (options.capacity, options.window)
+        arena, arena_configured = self._arenas.get(device, (None, None))
+        if arena is None or (configured != arena_configured and self._live == 0):
             arena = Arena(device, _initial_capacity(device, options.capacity), window=options.window)
-            self._arenas[device] = arena
+            self._arenas[device] = (arena, configured)
         return arena
 
-    def _store(self, t: torch.Tensor, options: Options, sign_pack: bool) -> StoredTensor | None:
-        """Compress ``t`` into its device's arena; None (keep ``t``) when the arena is full."""
+    def _store(self, t: torch.Tensor, options: Options, sign_pack: bool) -> StoredTensor:
+        """Compress ``t`` into its device's arena (or keep it dense when the arena is full).
+
+        Either way the handle holds a lease, so the step lasts as long as autograd holds it.
+        """
         collector = self._collector
         arena = self._arena(t.device, options)
         lease = _StepLease(self, arena.open_lease())
         collector.arenas.add(arena)
         fixed = arena.reserve_fixed(self._geometry.fixed_nbytes(t.numel()) // 4)
         if fixed is None:
-            lease.release()
             collector.fallbacks["arena_full"] += 1
-            return None
+            collector.stats.stored_bytes += t.numel() * t.element_size()
+            handle = StoredTensor(None, t.detach(), options.backend, lease, None)
+            handle.confirm(False)
+            return handle
         nonzeros = collector.nonzeros.get(t.device)
         if nonzeros is None:
             nonzeros = collector.nonzeros[t.device] = torch.zeros(1, dtype=torch.int64, device=t.device)
+        # Compress in memory order, so the restored tensor has t's strides (kernels such as
+        # convolutions may compute differently on another layout).
+        order = memory_order(t)
         compressed = compress(
-            t,
+            t.permute(order),
             sign_pack=sign_pack,
             backend=options.backend,
             geometry=self._geometry,
@@ -268,7 +296,7 @@ class Session:
             fixed=fixed,
             nonzeros=nonzeros,
         )
-        handle = StoredTensor(compressed, t.detach(), options.backend, lease)
+        handle = StoredTensor(compressed, t.detach(), options.backend, lease, order)
         stats = collector.stats
         stats.tensors_compressed += 1
         stats.dense_bytes += compressed.dense_nbytes
@@ -338,8 +366,13 @@ class Session:
 
     # -- life cycle -------------------------------------------------------------------------
 
+    def poll(self) -> None:
+        """Deliver the arenas' completed reports (never blocks)."""
+        with self._lock:
+            self._poll()
+
     def _poll(self) -> None:
-        for arena in self._arenas.values():
+        for arena, _ in self._arenas.values():
             arena.poll()
 
     def _begin_step(self) -> None:
@@ -356,7 +389,13 @@ class Session:
 
     def stats(self) -> Stats:
         with self._lock:
-            return self._collector.finish()
+            return copy.deepcopy(self._collector.finish())
+
+    def begin_step_if_idle(self) -> None:
+        """Start a new step now if nothing of the last one is alive (``compressing()`` entry)."""
+        with self._lock:
+            if self._live == 0 and self._collector.stats.tensors_seen:
+                self._begin_step()
 
     def reset(self) -> None:
         """Forget arenas and learned state (only when nothing is stored)."""
@@ -371,6 +410,7 @@ class Session:
 def _same_geometry(handle: Handle, t: torch.Tensor, start: int) -> bool:
     """Whether ``t`` is exactly the tensor ``handle`` restores (stored at ``start``)."""
     if isinstance(handle, StoredTensor):
+        # Only contiguous stored tensors are shared (see _remember).
         return t.storage_offset() == start and t.is_contiguous() and t.shape == handle.compressed.shape
     return (t.shape, t.stride(), t.storage_offset() - start) == (handle.size, handle.stride, handle.offset)
 

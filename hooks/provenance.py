@@ -13,6 +13,7 @@ output), which the mode has not recorded yet: ``in_flight`` answers for that cas
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -154,12 +155,21 @@ class ProvenanceTracker(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self._records: dict[int, list[Record]] = {}
-        self._in_flight: list[tuple[torch.Tensor, bool]] = []
+        self._threads = threading.local()  # the ops in flight are per thread
+
+    @property
+    def _in_flight(self) -> list[tuple[torch.Tensor, bool]]:
+        stack = getattr(self._threads, "in_flight", None)
+        if stack is None:
+            stack = self._threads.in_flight = []
+        return stack
 
     # -- queries --------------------------------------------------------------------------
 
     def lookup(self, t: torch.Tensor) -> Record | None:
         """The record covering ``t``, if ``t`` is (a view of) a recorded nonnegative tensor."""
+        if t.is_inference():  # no version counter: nothing can be recorded for it
+            return None
         records = self._records.get(t.untyped_storage().data_ptr())
         if records:
             for record in reversed(records):
@@ -190,7 +200,7 @@ class ProvenanceTracker(TorchFunctionMode):
         self._record(t, None)
 
     def _record(self, t: torch.Tensor, square_of: Record | None) -> None:
-        if not t.is_floating_point():
+        if not t.is_floating_point() or t.is_inference():
             return
         if len(self._records) > MAX_STORAGES:
             self._prune()

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import os
 
-from bitsparse.bench import codec
+from bitsparse.bench import codec, gpt
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Deterministic cuBLAS for the bit-exact gradient checks; must be set before cuBLAS starts.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     parser = argparse.ArgumentParser(prog="python -m bitsparse.bench", description=__doc__)
     suites = parser.add_subparsers(dest="suite", required=True)
     codec.add_arguments(suites.add_parser("codec", help="encode/decode bandwidth against a copy"))
+    gpt.add_arguments(suites.add_parser("gpt", help="12-layer GPT: memory and step time per mode"))
     args = parser.parse_args(argv)
     if args.suite == "codec" and args.sweep:
         codec.sweep(args)
     elif args.suite == "codec":
         codec.run(args)
+    elif args.suite == "gpt":
+        gpt.run(args)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ the per-tile offsets make invisible to decoding.
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import torch
@@ -69,6 +70,7 @@ class Codec(Protocol):
     ) -> None: ...
 
 
+@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     """Whether the Triton backend can be imported (Triton is installed)."""
     try:
@@ -89,6 +91,10 @@ def get_codec(backend: str | None, device: torch.device) -> Codec:
     """
     if backend is None:
         backend = "triton" if device.type == "cuda" and triton_available() else "torch"
+    key = (backend, device.type)
+    codec = _checked.get(key)
+    if codec is not None:
+        return codec
     if backend == "torch":
         from bitsparse.codecs import torch_codec as codec
     elif backend == "triton":
@@ -101,4 +107,9 @@ def get_codec(backend: str | None, device: torch.device) -> Codec:
     else:
         raise ValueError(f"unknown backend {backend!r}: choose one of {BACKENDS} or None")
     codec.check_device(device)
+    _checked[key] = codec
     return codec
+
+
+_checked: dict[tuple, Codec] = {}
+"""Codecs already checked for a (backend, device type): the hooks look one up per tensor."""

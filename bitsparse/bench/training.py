@@ -1,0 +1,173 @@
+"""Training-step comparisons: the same forward+backward under different activation strategies.
+
+Modes: ``dense`` (plain autograd), ``checkpoint`` (non-reentrant checkpointing around each MLP),
+``offload`` (``torch.autograd.graph.save_on_cpu(pin_memory=True)``), ``bitsparse`` and
+``bitsparse-15bit`` (``bitsparse.compressing()``, without and with sign packing).
+
+Memory is the peak allocated during a step above what was allocated before its forward,
+counting the BitSparse arena at its full capacity. Times are medians over interleaved repeats
+(mode after mode, round after round), so drifts in clock or temperature hit every mode alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+import bitsparse
+
+MODES = ("dense", "checkpoint", "offload", "bitsparse", "bitsparse-15bit")
+
+
+def mode_context(mode: str):
+    if mode == "offload":
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    if mode == "bitsparse":
+        return bitsparse.compressing()
+    if mode == "bitsparse-15bit":
+        return bitsparse.compressing(sign_pack=True)
+    return contextlib.nullcontext()
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    tokens: int
+    activation_mib: float
+    mib_per_token: float
+    step_ms: float
+    step_ms_spread: float
+    overhead_pct: float
+    grads_equal_dense: bool | None
+    compression_ratio: float | None
+
+
+def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+
+
+def compare_modes(
+    model: torch.nn.Module,
+    loss_fn: Callable[[], torch.Tensor],
+    tokens: int,
+    modes=MODES,
+    repeats: int = 10,
+    warmup: int = 3,
+) -> list[ModeResult]:
+    """Run one step of ``loss_fn().backward()`` per mode and round; measure memory and time."""
+    cuda = torch.cuda.is_available()
+    device_sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step(mode: str) -> None:
+        model.set_checkpointing(mode == "checkpoint")
+        with mode_context(mode):
+            loss = loss_fn()
+        loss.backward()
+        model.set_checkpointing(False)
+
+    for _ in range(warmup):
+        for mode in modes:
+            step(mode)
+    model.zero_grad(set_to_none=False)
+
+    memory, grads, ratios = {}, {}, {}
+    # Gradients are compared bit for bit, which needs deterministic kernels (see docs/design.md).
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    for mode in modes:
+        model.zero_grad(set_to_none=False)
+        device_sync()
+        arena = bitsparse.stats().arena_capacity if mode.startswith("bitsparse") else 0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        step(mode)
+        device_sync()
+        if cuda:
+            memory[mode] = torch.cuda.max_memory_allocated() - base + arena
+        grads[mode] = _grads(model)
+        if mode.startswith("bitsparse"):
+            ratios[mode] = bitsparse.stats().ratio
+    torch.use_deterministic_algorithms(deterministic)
+
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for _ in range(repeats):
+        for mode in modes:
+            model.zero_grad(set_to_none=False)
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step(mode)
+                end.record()
+                end.synchronize()
+                times[mode].append(start.elapsed_time(end))
+            else:
+                import time
+
+                t0 = time.perf_counter()
+                step(mode)
+                times[mode].append(1000 * (time.perf_counter() - t0))
+
+    # Some CUDA backward kernels (cuDNN attention) are nondeterministic even so: only when two
+    # dense steps agree do other modes' gradients get compared.
+    reference = grads.get("dense")
+    if reference is not None:
+        model.zero_grad(set_to_none=False)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        step("dense")
+        torch.use_deterministic_algorithms(deterministic)
+        if not all(torch.equal(a, b) for a, b in zip(reference, _grads(model))):
+            reference = None
+    dense_ms = statistics.median(times["dense"]) if "dense" in times else None
+    results = []
+    for mode in modes:
+        ms = statistics.median(times[mode])
+        quartiles = statistics.quantiles(times[mode], n=4) if len(times[mode]) > 1 else [ms, ms, ms]
+        mib = memory.get(mode, float("nan")) / 2**20
+        equal = None
+        if reference is not None:
+            equal = len(reference) == len(grads[mode]) and all(
+                torch.equal(a, b) for a, b in zip(reference, grads[mode])
+            )
+        results.append(
+            ModeResult(
+                mode=mode,
+                tokens=tokens,
+                activation_mib=mib,
+                mib_per_token=mib / tokens,
+                step_ms=ms,
+                step_ms_spread=quartiles[2] - quartiles[0],
+                overhead_pct=100 * (ms / dense_ms - 1) if dense_ms else float("nan"),
+                grads_equal_dense=equal,
+                compression_ratio=ratios.get(mode),
+            )
+        )
+    return results
+
+
+def print_table(title: str, results: list[ModeResult]) -> None:
+    print(title)
+    print(f"  {'mode':<16}{'MiB':>10}{'MiB/token':>11}{'ms':>9}{'IQR':>7}{'vs dense':>10}{'ratio':>7}  grads")
+    for r in results:
+        ratio = f"{r.compression_ratio:.2f}" if r.compression_ratio else "-"
+        grads = {True: "equal", False: "DIFFER", None: "-"}[r.grads_equal_dense]
+        print(
+            f"  {r.mode:<16}{r.activation_mib:>10.0f}{r.mib_per_token:>11.4f}{r.step_ms:>9.1f}"
+            f"{r.step_ms_spread:>7.1f}{r.overhead_pct:>+9.1f}%{ratio:>7}  {grads}"
+        )
+
+
+def write_csv(path, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def as_rows(results: list[ModeResult], **labels) -> list[dict]:
+    return [{**labels, **asdict(r)} for r in results]

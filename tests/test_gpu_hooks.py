@@ -1,0 +1,110 @@
+"""The training hooks on CUDA: exact bf16 gradients and no host synchronization."""
+
+import os
+
+import pytest
+import torch
+
+import bitsparse
+from bitsparse.bench.models import GPT, GPTConfig, MLPStack, shift_to_sparsity
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.fixture(autouse=True)
+def deterministic():
+    """Bit-exact comparisons need deterministic kernels (embedding backward, cuBLAS)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(False)
+    bitsparse.disable()
+
+
+def grads_of(model, loss_fn, **options):
+    model.zero_grad(set_to_none=True)
+    with bitsparse.compressing(**options):
+        loss = loss_fn()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def small_gpt(zeros):
+    torch.manual_seed(0)
+    config = GPTConfig(layers=3, dim=256, heads=2, head_dim=128, hidden=1024, vocab=4096)
+    model = GPT(config).cuda().to(torch.bfloat16)
+    tokens = torch.randint(config.vocab, (2, 1024), device="cuda")
+
+    def loss_fn():
+        return model(tokens, tokens)
+
+    if zeros is not None:
+        shift_to_sparsity(model, loss_fn, zeros)
+    return model, loss_fn
+
+
+def plain_grads(model, loss_fn):
+    model.zero_grad(set_to_none=True)
+    loss_fn().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("zeros", [None, 0.9])
+@pytest.mark.parametrize("sign_pack", [False, True])
+def test_gpt_bf16_gradients_are_bit_identical(zeros, sign_pack):
+    model, loss_fn = small_gpt(zeros)
+    reference = plain_grads(model, loss_fn)
+    assert all(torch.equal(a, b) for a, b in zip(reference, plain_grads(model, loss_fn))), (
+        "dense runs disagree: a nondeterministic kernel, not BitSparse"
+    )
+    for _ in range(3):  # several steps: the arena is reused and resized
+        got = grads_of(model, loss_fn, sign_pack=sign_pack, min_numel=1024)
+        assert all(torch.equal(a, b) for a, b in zip(reference, got))
+    stats = bitsparse.stats()
+    assert stats.tensors_compressed >= 3 and stats.tensors_recomputed >= 3
+    assert stats.fallbacks == {}
+
+
+def test_mlp_stack_autocast_gradients_are_bit_identical():
+    torch.manual_seed(0)
+    model = MLPStack(dim=512, hidden=2048, layers=3).cuda()
+    x = torch.randn(2048, 512, device="cuda")
+
+    def loss_fn():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return model(x)
+
+    reference = plain_grads(model, loss_fn)
+    for _ in range(2):  # the first step may overflow an arena sized by an earlier test
+        got = grads_of(model, loss_fn, min_numel=1024)
+        assert all(torch.equal(a, b) for a, b in zip(reference, got))
+    # Autocast runs the square in float32 on a cast copy, so the relu output and that copy
+    # are stored and nothing is recomputed.
+    stats = bitsparse.stats()
+    assert stats.tensors_compressed >= 3 and stats.fallbacks == {}
+
+
+def test_tiny_arena_falls_back_and_stays_exact():
+    model, loss_fn = small_gpt(0.9)
+    reference = plain_grads(model, loss_fn)
+    got = grads_of(model, loss_fn, capacity=1 << 16, min_numel=1024)
+    assert all(torch.equal(a, b) for a, b in zip(reference, got))
+    assert bitsparse.stats().fallbacks.get("arena_full", 0) > 0
+
+
+def test_training_step_has_no_host_synchronization():
+    model, loss_fn = small_gpt(0.9)
+    for _ in range(3):  # let the arena settle and the square check run once
+        grads_of(model, loss_fn, min_numel=1024)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with bitsparse.compressing(min_numel=1024):
+            loss = loss_fn()
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert bitsparse.stats().tensors_compressed >= 3

@@ -1,0 +1,1074 @@
+"""The training API on the CPU: exact gradients with compressed saved activations, statistics,
+enable()/disable(), option errors and threads.
+
+Every gradient test compares a plain run with runs inside ``bitsparse.compressing()`` bit for
+bit (two compressed steps in a row, so the arena is reused), and checks that compression
+really happened, so that a test cannot pass by compressing nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import bitsparse
+from bitsparse import training
+from bitsparse.format import TileGeometry, compressed_nbytes, dtype_spec
+from bitsparse.hooks.manager import Options, Stats
+from helpers import assert_bitwise_equal
+
+SESSION = training._session
+MIN_NUMEL = 1024
+"""Small enough that the CPU-sized models below get compressed (the default is 65536)."""
+
+
+def _cpu_arena():
+    """The session's CPU arena (the table's values are arenas, or (arena, options) pairs)."""
+    entry = SESSION._arenas[torch.device("cpu")]
+    return entry[0] if isinstance(entry, tuple) else entry
+
+
+def _settle() -> None:
+    """Free whatever dead graphs still hold, then forget arenas and learned state."""
+    if SESSION._live:
+        gc.collect()  # only when needed: a full collection takes a noticeable time
+    if SESSION._live == 0:
+        SESSION.reset()
+        SESSION._begin_step()  # counters start from zero in every test
+
+
+@pytest.fixture(autouse=True)
+def clean_session():
+    _settle()
+    try:
+        yield
+    finally:
+        try:
+            bitsparse.disable()
+        finally:
+            _settle()
+            assert not bitsparse.is_enabled()
+            assert getattr(training._local, "tracking_depth", 0) == 0, "hooks left installed"
+            assert torch._C._len_torch_function_stack() == 0, "provenance mode left active"
+            assert SESSION._live == 0, "stored tensors outlived the test's graphs"
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+
+
+def mlp(d_in=32, hidden=256, d_out=10, seed=0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, d_out)
+    )
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(a.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block with a ReLU^2 MLP, written one of three ways."""
+
+    def __init__(self, d: int, variant: int, norm: type):
+        super().__init__()
+        self.variant = variant
+        self.norm1, self.norm2 = norm(d), norm(d)
+        self.attn = Attention(d, heads=4)
+        self.fc = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        h = self.fc(self.norm2(x))
+        if self.variant == 0:
+            h = F.relu(h).square()
+        elif self.variant == 1:
+            h = torch.square(torch.relu(h))
+        else:
+            h = h.relu_() ** 2  # in place on a view of the Linear's output: CopySlices
+        return x + self.down(h)
+
+
+def transformer(d=32, seed=0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        Block(d, 0, nn.LayerNorm), Block(d, 1, nn.RMSNorm), Block(d, 2, nn.LayerNorm), nn.LayerNorm(d)
+    )
+
+
+def convnet(seed=0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(inplace=True),
+        nn.AvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * 4 * 4, 10),
+    )
+
+
+def mlp_input(seed=1, batch=64, d_in=32):
+    return torch.randn(batch, d_in, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+
+
+def sequence_input(seed=1, d=32):
+    return torch.randn(4, 16, d, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+
+
+def image_input(seed=1):
+    return torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+
+
+class MarkedReLU(torch.autograd.Function):
+    """A ReLU the provenance mode cannot see (torch.where), flagged with bitsparse.mark."""
+
+    @staticmethod
+    def forward(ctx, x, use_mark):
+        out = torch.where(x > 0, x, torch.zeros_like(x))
+        if use_mark:
+            bitsparse.mark(out)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * (out > 0), None
+
+
+class CustomMLP(nn.Module):
+    def __init__(self, use_mark: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.use_mark = use_mark
+        self.fc1, self.fc2 = nn.Linear(32, 256), nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.fc2(MarkedReLU.apply(self.fc1(x), self.use_mark))
+
+
+# --------------------------------------------------------------------------------------------
+# Running and comparing
+
+
+def loss_of(out: torch.Tensor) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+def grads(model: nn.Module, *inputs: torch.Tensor) -> list[torch.Tensor | None]:
+    return [None if t.grad is None else t.grad.detach().clone() for t in [*model.parameters(), *inputs]]
+
+
+def zero_grads(model: nn.Module, *inputs: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)
+    for x in inputs:
+        x.grad = None
+
+
+def assert_same_grads(actual, expected) -> None:
+    assert len(actual) == len(expected)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert (a is None) == (e is None), f"gradient {i}: {a is None} vs {e is None}"
+        if a is not None:
+            assert torch.equal(a, e), f"gradient {i} differs"
+            assert_bitwise_equal(a, e)
+
+
+def train_step(model, x, ctx, autocast=False):
+    zero_grads(model, x)
+    with ctx:
+        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            out = model(x)
+    loss_of(out).backward()
+    return grads(model, x)
+
+
+def check_exact(model, x, steps=2, autocast=False, **options) -> list[Stats]:
+    """Plain gradients, then ``steps`` compressed steps with the same gradients; their stats."""
+    options.setdefault("min_numel", MIN_NUMEL)
+    expected = train_step(model, x, contextlib.nullcontext(), autocast)
+    stats = []
+    for _ in range(steps):
+        got = train_step(model, x, bitsparse.compressing(**options), autocast)
+        assert_same_grads(got, expected)
+        stats.append(Stats(**{k: v for k, v in bitsparse.stats().as_dict().items() if k != "ratio"}))
+    assert SESSION._live == 0
+    return stats
+
+
+def without_traceback(fn, *args, **kwargs):
+    """Call ``fn``; re-raise a failure without its traceback, whose frames would keep a
+    half-run graph (and its stored tensors) alive for as long as pytest keeps the report."""
+    try:
+        return fn(*args, **kwargs)
+    except (AssertionError, RuntimeError) as e:
+        error = type(e)(str(e))
+    raise error
+
+
+def check_consistent(s: Stats) -> None:
+    """Every saved tensor is counted once: compressed, shared, recomputed, skipped or refused."""
+    refused = s.tensors_seen - s.tensors_compressed - s.tensors_deduplicated - s.tensors_recomputed
+    assert refused - sum(s.tensors_skipped.values()) >= 0
+    assert refused - sum(s.tensors_skipped.values()) <= s.fallbacks.get("arena_full", 0)
+    if s.tensors_compressed:
+        assert s.dense_bytes > 0 and s.stored_bytes > 0
+        assert 0.0 <= s.zero_fraction <= 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# (a)-(e): models
+
+
+def test_relu_mlp_exact():
+    model, x = mlp(), mlp_input()
+    stats = check_exact(model, x)
+    for s in stats:
+        check_consistent(s)
+        assert s.tensors_compressed == 2  # one per ReLU
+        assert s.tensors_deduplicated == 2  # the next Linear saves the same tensor
+        assert s.fallbacks == {}
+        assert 1.5 < s.ratio < 2.5  # about half zeros in fp32
+    assert stats[1].step == stats[0].step + 1
+
+
+def test_transformer_relu_squared_exact():
+    model, x = transformer(), sequence_input()
+    stats = check_exact(model, x)
+    for s in stats:
+        check_consistent(s)
+        # All three ways of writing relu(x)^2: the ReLU stored once, its square recomputed.
+        assert s.tensors_compressed == 3
+        assert s.tensors_recomputed == 3
+        assert s.tensors_deduplicated >= 3
+        assert s.fallbacks == {}
+
+
+@pytest.mark.parametrize("variant", [0, 1, 2])
+def test_each_relu_squared_spelling(variant):
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(32, variant, nn.LayerNorm))
+    x = sequence_input()
+    (s, _) = check_exact(model, x)
+    assert s.tensors_compressed == 1 and s.tensors_recomputed == 1, str(s)
+
+
+def test_transformer_without_recomputed_squares_exact():
+    model, x = transformer(), sequence_input()
+    for s in check_exact(model, x, recompute_squares=False):
+        check_consistent(s)
+        assert s.tensors_recomputed == 0
+        assert s.tensors_compressed == 6  # each ReLU and each square stored
+
+
+
+
+def test_relu_of_a_transposed_tensor_exact():
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    w = torch.randn(128, 64, generator=torch.Generator().manual_seed(1))
+
+    def step(ctx):
+        x.grad = None
+        with ctx:
+            y = torch.relu(x.t())  # keeps the transposed layout: strides (1, 128)
+        assert not y.is_contiguous()
+        (y * w).sum().backward()
+        return x.grad.clone()
+
+    expected = step(contextlib.nullcontext())
+    got = step(bitsparse.compressing(min_numel=MIN_NUMEL))
+    assert bitsparse.stats().tensors_compressed == 1
+    assert_same_grads([got], [expected])
+
+
+def test_channels_last_convnet_exact():
+    model = convnet().to(memory_format=torch.channels_last)
+    x = image_input().detach().to(memory_format=torch.channels_last).requires_grad_()
+    for s in check_exact(model, x):
+        assert s.tensors_compressed >= 2
+
+
+def test_select_all_on_transformer():
+    without_traceback(check_exact, transformer(), sequence_input(), select="all")
+
+
+def test_convnet_exact():
+    model, x = convnet(), image_input()
+    for s in check_exact(model, x):
+        check_consistent(s)
+        assert s.tensors_compressed == 2  # the two in-place ReLUs
+        assert s.tensors_deduplicated >= 1  # MaxPool2d saves the first ReLU's output
+        assert s.fallbacks == {}
+
+
+@pytest.mark.parametrize("use_mark", [True, False])
+def test_custom_function_with_mark(use_mark):
+    model, x = CustomMLP(use_mark), mlp_input()
+    for s in check_exact(model, x):
+        check_consistent(s)
+        if use_mark:
+            assert s.tensors_compressed == 1
+            assert s.tensors_deduplicated == 1  # fc2 saves the marked output again
+        else:
+            # torch.where is not a ReLU-family op: nothing is recognised without mark().
+            assert s.tensors_compressed == 0
+            assert s.tensors_skipped.get("not_relu_family", 0) >= 1
+
+
+def test_mark_returns_its_argument():
+    t = torch.ones(3)
+    assert bitsparse.mark(t) is t
+    with bitsparse.compressing():
+        assert bitsparse.mark(t) is t
+
+
+def test_transformer_bf16_autocast_exact():
+    model, x = transformer(), sequence_input()
+    for s in check_exact(model, x, autocast=True):
+        check_consistent(s)
+        assert s.tensors_compressed == 3
+        assert s.dense_bytes == 3 * 4 * 16 * 128 * 2  # bf16 ReLU outputs
+        assert s.fallbacks == {}
+
+
+def test_bf16_parameters_exact():
+    model, x = mlp().bfloat16(), mlp_input().detach().bfloat16().requires_grad_()
+    for s in check_exact(model, x, sign_pack=True):
+        assert s.tensors_compressed == 2
+
+
+# --------------------------------------------------------------------------------------------
+# (f)-(i): ways of running backward
+
+
+def test_autograd_grad_exact():
+    model, x = mlp(), mlp_input()
+    inputs = [*model.parameters(), x]
+    expected = torch.autograd.grad(loss_of(model(x)), inputs)
+    for _ in range(2):
+        with bitsparse.compressing(min_numel=MIN_NUMEL):
+            out = model(x)
+        got = torch.autograd.grad(loss_of(out), inputs)
+        assert bitsparse.stats().tensors_compressed == 2
+        del out
+        assert_same_grads(list(got), list(expected))
+
+
+@pytest.mark.parametrize("grad_inside", [False, True], ids=["grad_outside", "grad_inside"])
+def test_double_backward_gradient_penalty(grad_inside):
+    model, x = mlp(), mlp_input()
+
+    def step(ctx):
+        zero_grads(model, x)
+        with ctx:
+            out = model(x)
+            if grad_inside:
+                (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        if not grad_inside:
+            (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        (loss_of(out) + g.square().sum()).backward()
+        return grads(model, x)
+
+    expected = step(contextlib.nullcontext())
+    for _ in range(2):
+        got = step(bitsparse.compressing(min_numel=MIN_NUMEL))
+        assert bitsparse.stats().tensors_compressed >= 2
+        assert_same_grads(got, expected)
+
+
+def test_retain_graph_two_backwards():
+    model, x = mlp(), mlp_input()
+
+    def step(ctx):
+        zero_grads(model, x)
+        with ctx:
+            out = model(x)
+        loss = loss_of(out)
+        loss.backward(retain_graph=True)
+        first = grads(model, x)
+        loss.backward()
+        return first, grads(model, x)
+
+    expected_first, expected_second = step(contextlib.nullcontext())
+    for _ in range(2):
+        first, second = step(bitsparse.compressing(min_numel=MIN_NUMEL))
+        assert bitsparse.stats().tensors_compressed == 2
+        assert_same_grads(first, expected_first)
+        assert_same_grads(second, expected_second)
+
+
+def test_gradient_accumulation():
+    """Two forwards (each in its own compressing() block), then two backwards."""
+    model, x1, x2 = mlp(), mlp_input(1), mlp_input(2)
+    zero_grads(model, x1, x2)
+    loss_of(model(x1)).backward()
+    loss_of(model(x2)).backward()
+    expected = grads(model, x1, x2)
+    for _ in range(2):
+        zero_grads(model, x1, x2)
+        with bitsparse.compressing(min_numel=MIN_NUMEL):
+            out1 = model(x1)
+        with bitsparse.compressing(min_numel=MIN_NUMEL):
+            out2 = model(x2)
+        s = bitsparse.stats()
+        assert s.tensors_compressed == 4  # both forwards in the same step
+        assert SESSION._live == 4
+        loss_of(out1).backward()
+        del out1
+        gc.collect()
+        assert SESSION._live == 2
+        loss_of(out2).backward()
+        del out2
+        assert_same_grads(grads(model, x1, x2), expected)
+
+
+def test_interleaved_steps_reuse_the_arena():
+    model, x = mlp(), mlp_input()
+    expected = train_step(model, x, contextlib.nullcontext())
+    steps = []
+    for _ in range(4):
+        got = train_step(model, x, bitsparse.compressing(min_numel=MIN_NUMEL))
+        assert_same_grads(got, expected)
+        steps.append(bitsparse.stats().step)
+        assert SESSION._live == 0
+    assert steps == list(range(steps[0], steps[0] + 4))
+    assert len(SESSION._arenas) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# (j)-(l): exceptions, no-grad modes, checkpointing
+
+
+class Boom(RuntimeError):
+    pass
+
+
+class Exploding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+
+    def forward(self, x):
+        h = self.body[1](self.body[0](x))
+        h = self.body[3](self.body[2](h))
+        raise Boom("midway")
+
+
+def test_exception_midway_leaks_nothing():
+    model, x = Exploding(), mlp_input()
+    with pytest.raises(Boom, match="midway"):
+        with bitsparse.compressing(min_numel=MIN_NUMEL):
+            model(x)
+    gc.collect()  # the traceback's frames held the partial graph
+    assert SESSION._live == 0
+    assert getattr(training._local, "tracking_depth", 0) == 0
+    assert torch._C._len_torch_function_stack() == 0
+    # A normal step afterwards works and is exact; its arena step ends after backward.
+    stats = check_exact(model.body, x)
+    assert stats[-1].tensors_compressed == 2
+    assert _cpu_arena().step_over
+
+
+def test_no_grad_inside_compressing_stores_nothing():
+    model, x = mlp(), mlp_input()
+    before = bitsparse.stats().as_dict()
+    with bitsparse.compressing(min_numel=MIN_NUMEL):
+        with torch.no_grad():
+            out = model(x)
+    assert out.grad_fn is None
+    assert bitsparse.stats().as_dict() == before
+    assert SESSION._live == 0
+
+
+def test_inference_mode_inside_compressing():
+    model, x = mlp(), mlp_input()
+    with bitsparse.compressing(min_numel=MIN_NUMEL):
+        with torch.inference_mode():
+            out = model(x)
+    assert out.is_inference()
+    assert SESSION._live == 0
+
+
+def test_inference_mode_without_relu_inside_compressing():
+    """Ops the provenance mode does not watch run fine in inference mode."""
+    lin = nn.Linear(32, 32)
+    with bitsparse.compressing(min_numel=MIN_NUMEL):
+        with torch.inference_mode():
+            out = torch.tanh(lin(torch.randn(8, 32)))
+    assert out.is_inference()
+
+
+class CheckpointedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(32, 256)
+        self.block = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU())
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        h = checkpoint(self.block, h, use_reentrant=False)
+        return self.head(h)
+
+
+def test_non_reentrant_checkpoint_exact():
+    model, x = CheckpointedMLP(), mlp_input()
+    for s in check_exact(model, x):
+        check_consistent(s)
+        # The ReLU outside the region is compressed; inside, checkpointing's hooks win.
+        assert s.tensors_compressed >= 1
+
+
+# --------------------------------------------------------------------------------------------
+# (m)-(o): options
+
+
+def test_select_all_on_convnet():
+    model, x = convnet(), image_input()
+    stats = check_exact(model, x, steps=3, select="all")
+    for s in stats:
+        check_consistent(s)
+        assert s.tensors_compressed >= 2  # the sparse ReLU outputs always pay
+    # Dense tensors (BatchNorm inputs, ...) were tried once and then skipped by site.
+    assert stats[0].tensors_compressed > stats[-1].tensors_compressed
+    assert stats[-1].tensors_skipped.get("unprofitable_site", 0) > 0
+    assert stats[-1].ratio > 1.1
+
+
+def test_sign_pack_exact():
+    model, x = mlp(), mlp_input()
+    plain = check_exact(model, x)[-1]
+    _settle()
+    packed = check_exact(model, x, sign_pack=True)[-1]
+    assert packed.tensors_compressed == plain.tensors_compressed == 2
+    assert packed.dense_bytes == plain.dense_bytes
+    assert packed.stored_bytes < plain.stored_bytes  # 31-bit values
+
+
+def test_sign_pack_on_convnet_and_transformer():
+    check_exact(convnet(), image_input(), sign_pack=True)
+    check_exact(transformer(), sequence_input(), sign_pack=True, autocast=True)
+
+
+def test_tiny_arena_falls_back_exactly():
+    model, x = mlp(), mlp_input()
+    stats = check_exact(model, x, steps=3, capacity=4096)
+    assert stats[0].fallbacks.get("arena_full", 0) > 0
+    for s in stats:
+        check_consistent(s)
+    # The arena grows to fit: by the last step nothing falls back.
+    assert stats[-1].fallbacks == {}
+    assert stats[-1].tensors_compressed == 2
+
+
+def test_tiny_value_region_falls_back_exactly():
+    """Fixed words fit, values overflow: the compressed tensor keeps its dense copy."""
+    model, x = mlp(hidden=64), mlp_input()  # 4096-element ReLU outputs, 2048 value words each
+    stats = check_exact(model, x, steps=1, capacity=8192)  # 2048 fixed bytes, 1535 value words
+    s = stats[0]
+    assert s.tensors_compressed == 2
+    assert s.fallbacks.get("arena_full", 0) == 2
+    assert s.stored_bytes == s.dense_bytes  # a fallback counts dense
+
+
+def test_a_refused_first_tensor_does_not_end_the_step():
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(64, 256), nn.Linear(256, 8)
+    x = torch.randn(32, 64)  # ReLU output: 8192 elements, 2064 fixed bytes > the 1024 there are
+    with bitsparse.compressing(capacity=4096, min_numel=MIN_NUMEL):
+        y = lin2(torch.relu(lin1(x)))
+    s = bitsparse.stats()
+    del y
+    # Saved: x (not ReLU-family), the ReLU output (refused), the ReLU output again for lin2's
+    # weight gradient, and lin2.weight.t() (a parameter).
+    assert s.tensors_seen == 4
+    assert s.tensors_skipped == {"not_relu_family": 1, "parameter": 1}
+    assert s.fallbacks.get("arena_full", 0) >= 1
+    assert s.arena_capacity == 4096  # resizing waits for the step's end
+
+
+# --------------------------------------------------------------------------------------------
+# Statistics against the format
+
+
+def relu_mlp_layers(seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(64, 300), nn.Linear(300, 8)
+
+
+def stats_input():
+    return torch.randn(50, 64, generator=torch.Generator().manual_seed(7))  # h: 15000 elements
+
+
+def expected_nbytes(h: torch.Tensor, sign_pack: bool = False) -> tuple[int, int]:
+    """Exact compressed size of ``h`` from its bit patterns, and its number of nonzeros."""
+    spec = dtype_spec(h.dtype)
+    tile = TileGeometry().tile_size
+    bits = h.detach().reshape(-1).view(spec.bits_dtype)
+    counts, packed = [], []
+    for start in range(0, bits.numel(), tile):
+        chunk = bits[start : start + tile]
+        nonzero = chunk != 0
+        counts.append(int(nonzero.sum()))
+        packed.append(sign_pack and not bool((nonzero & (chunk < 0)).any()))
+    return compressed_nbytes(bits.numel(), spec, counts, packed), sum(counts)
+
+
+@pytest.mark.parametrize("sign_pack", [False, True])
+def test_stats_match_the_format(sign_pack):
+    lin1, lin2 = relu_mlp_layers()
+    x = stats_input()
+    h_expected = torch.relu(lin1(x)).detach()
+    assert h_expected.numel() == 15000
+    nbytes, nnz = expected_nbytes(h_expected, sign_pack)
+    with bitsparse.compressing(min_numel=MIN_NUMEL, sign_pack=sign_pack):
+        y = lin2(torch.relu(lin1(x)))
+    y.sum().backward()
+    s = bitsparse.stats()
+    assert s.tensors_compressed == 1
+    assert s.tensors_deduplicated == 1  # lin2 saves the ReLU output for its weight gradient
+    assert s.tensors_recomputed == 0
+    assert s.tensors_skipped == {"not_relu_family": 1, "parameter": 1}  # x, lin2.weight.t()
+    assert s.tensors_seen == 4
+    assert s.fallbacks == {}
+    assert s.dense_bytes == 15000 * 4
+    assert s.stored_bytes == nbytes
+    assert s.zero_fraction == pytest.approx(1 - nnz / 15000, abs=1e-12)
+    assert 0.3 < s.zero_fraction < 0.7
+    assert s.ratio == pytest.approx(s.dense_bytes / s.stored_bytes)
+    assert s.arena_capacity > 0 and 0 < s.arena_peak <= s.arena_capacity
+    assert s.arena_peak == s.stored_bytes  # the one stored tensor is all the arena holds
+    assert s.window_waits == 0
+
+
+def test_stats_of_a_relu_squared_block():
+    lin1, lin2 = relu_mlp_layers()
+    x = stats_input()
+    h_expected = torch.relu(lin1(x)).detach()
+    nbytes, nnz = expected_nbytes(h_expected)
+    with bitsparse.compressing(min_numel=MIN_NUMEL):
+        y = lin2(F.relu(lin1(x)).square())
+    y.sum().backward()
+    s = bitsparse.stats()
+    # relu result: compressed; square's input (the same tensor): shared; lin2's input: recomputed.
+    assert (s.tensors_compressed, s.tensors_deduplicated, s.tensors_recomputed) == (1, 1, 1)
+    assert s.tensors_skipped == {"not_relu_family": 1, "parameter": 1}
+    assert s.tensors_seen == 5
+    assert s.dense_bytes == 15000 * 4  # only the ReLU output is stored
+    assert s.stored_bytes == nbytes
+    assert s.zero_fraction == pytest.approx(1 - nnz / 15000, abs=1e-12)
+
+
+def test_stats_dict_and_str():
+    lin1, lin2 = relu_mlp_layers()
+    x = stats_input()
+    with bitsparse.compressing(min_numel=MIN_NUMEL):
+        y = lin2(F.relu(lin1(x)).square())
+    y.sum().backward()
+    s = bitsparse.stats()
+    d = s.as_dict()
+    assert set(d) == {
+        "step", "tensors_seen", "tensors_compressed", "tensors_deduplicated", "tensors_recomputed",
+        "tensors_skipped", "fallbacks", "dense_bytes", "stored_bytes", "zero_fraction",
+        "arena_capacity", "arena_peak", "window_waits", "ratio",
+    }
+    assert d["ratio"] == s.ratio
+    assert d["tensors_skipped"] == {"not_relu_family": 1, "parameter": 1}
+    text = str(s)
+    assert f"step {s.step}:" in text
+    assert "1/5 saved tensors compressed" in text
+    assert "+1 shared, 1 recomputed" in text
+    assert f"({s.ratio:.2f}x, {100 * s.zero_fraction:.1f}% zeros)" in text
+    assert "skipped: not_relu_family 1, parameter 1" in text
+    assert "fallbacks: none" in text
+
+
+
+
+def test_identical_steps_have_identical_stats():
+    lin1, lin2 = relu_mlp_layers()
+    x = stats_input()
+    stats = []
+    for _ in range(3):
+        with bitsparse.compressing(min_numel=MIN_NUMEL):
+            y = lin2(torch.relu(lin1(x)))  # x (not ReLU-family) is saved before the ReLU output
+        y.sum().backward()
+        del y
+        stats.append(bitsparse.stats().as_dict())
+    for d in stats:
+        d.pop("step")
+    assert stats[2] == stats[1], (stats[1], stats[2])
+    # After the first step the arena is fitted to what it needed; the rest is the same.
+    arena_fields = ("arena_capacity", "arena_peak")
+    assert {k: v for k, v in stats[1].items() if k not in arena_fields} == {
+        k: v for k, v in stats[0].items() if k not in arena_fields
+    }
+    assert stats[0]["tensors_seen"] == 4
+
+
+def test_a_step_that_stores_nothing_has_its_own_stats():
+    lin1, lin2 = relu_mlp_layers()
+    x = stats_input()
+    with bitsparse.compressing(min_numel=MIN_NUMEL):
+        y = lin2(torch.relu(lin1(x)))
+    y.sum().backward()
+    del y
+    first = bitsparse.stats()
+    first_dict = first.as_dict()
+    assert first.tensors_compressed == 1
+    with bitsparse.compressing(min_numel=1 << 30):  # everything is too small now
+        y = lin2(torch.relu(lin1(x)))
+    y.sum().backward()
+    del y
+    s = bitsparse.stats()
+    assert first.as_dict() == first_dict, "the finished step's stats changed afterwards"
+    assert s.tensors_compressed == 0 and s.dense_bytes == 0
+    assert s.tensors_skipped == {"small": 4}
+
+
+def test_stats_ratio_without_storage():
+    assert Stats().ratio == 1.0
+    assert "fallbacks: none" in str(Stats())
+
+
+def test_stats_after_backward_describe_the_finished_step():
+    model, x = mlp(), mlp_input()
+    with bitsparse.compressing(min_numel=MIN_NUMEL):
+        out = model(x)
+    during = bitsparse.stats().as_dict()
+    loss_of(out).backward()
+    del out
+    after = bitsparse.stats().as_dict()
+    assert after == during
+    # A plain forward outside compressing() does not touch them.
+    loss_of(model(x)).backward()
+    assert bitsparse.stats().as_dict() == after
+
+
+def test_dense_storage_is_freed_at_pack():
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(64, 1024), nn.Linear(1024, 8)
+    x = torch.randn(128, 64, requires_grad=True)  # h: 131072 elements, 512 KiB
+    params = [*lin1.parameters(), *lin2.parameters(), x]
+
+    expected = torch.autograd.grad(loss_of(lin2(torch.relu(lin1(x)))), params)
+    with bitsparse.compressing(min_numel=MIN_NUMEL):
+        h = torch.relu(lin1(x))
+        storage = weakref.ref(h.untyped_storage())
+        y = lin2(h)
+        del h
+    gc.collect()
+    assert storage() is None, "the dense ReLU output is still alive"
+    assert bitsparse.stats().tensors_compressed == 1
+    got = torch.autograd.grad(loss_of(y), params)
+    assert_same_grads(list(got), list(expected))
+
+
+def test_dense_storage_kept_without_compressing():
+    """The control for the test above: autograd itself keeps the ReLU output."""
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(64, 1024), nn.Linear(1024, 8)
+    x = torch.randn(128, 64, requires_grad=True)
+    h = torch.relu(lin1(x))
+    storage = weakref.ref(h.untyped_storage())
+    y = lin2(h)
+    del h
+    gc.collect()
+    assert storage() is not None
+    del y
+
+
+# --------------------------------------------------------------------------------------------
+# enable() / disable()
+
+
+def test_enable_then_plain_training_compresses():
+    model, x = mlp(), mlp_input()
+    expected = train_step(model, x, contextlib.nullcontext())
+    bitsparse.enable(min_numel=MIN_NUMEL)
+    assert bitsparse.is_enabled()
+    for _ in range(2):
+        got = train_step(model, x, contextlib.nullcontext())
+        assert_same_grads(got, expected)
+        assert bitsparse.stats().tensors_compressed == 2
+    bitsparse.disable()
+    assert not bitsparse.is_enabled()
+    # Disabled: nothing is packed any more.
+    before = bitsparse.stats().as_dict()
+    assert_same_grads(train_step(model, x, contextlib.nullcontext()), expected)
+    assert bitsparse.stats().as_dict() == before
+
+
+def test_enable_twice_reconfigures_without_stacking():
+    model, x = mlp(), mlp_input()
+    bitsparse.enable(min_numel=MIN_NUMEL)
+    bitsparse.enable(min_numel=1 << 30)  # replaces the options: nothing is large enough now
+    assert torch._C._len_torch_function_stack() == 1
+    train_step(model, x, contextlib.nullcontext())
+    s = bitsparse.stats()
+    assert s.tensors_compressed == 0 and s.tensors_skipped.get("small", 0) > 0
+    bitsparse.enable(min_numel=MIN_NUMEL)
+    train_step(model, x, contextlib.nullcontext())
+    assert bitsparse.stats().tensors_compressed == 2
+    bitsparse.disable()  # once is enough
+    assert not bitsparse.is_enabled()
+    assert torch._C._len_torch_function_stack() == 0
+    before = bitsparse.stats().as_dict()
+    train_step(model, x, contextlib.nullcontext())
+    assert bitsparse.stats().as_dict() == before
+    bitsparse.disable()  # a no-op now
+
+
+def test_compressing_inside_enable():
+    model, x = mlp(), mlp_input()
+    expected = train_step(model, x, contextlib.nullcontext())
+    bitsparse.enable(min_numel=1 << 30)  # enabled, but compressing nothing
+    got = train_step(model, x, bitsparse.compressing(min_numel=MIN_NUMEL))
+    assert_same_grads(got, expected)
+    assert bitsparse.stats().tensors_compressed == 2  # the inner block's options won
+    assert bitsparse.is_enabled()
+    # enable()'s options apply again: nothing is stored (no live compressed tensors).
+    small_before = bitsparse.stats().tensors_skipped.get("small", 0)
+    zero_grads(model, x)
+    out = model(x)
+    assert SESSION._live == 0
+    assert bitsparse.stats().tensors_skipped.get("small", 0) > small_before
+    loss_of(out).backward()
+    bitsparse.enable(min_numel=MIN_NUMEL)
+    with bitsparse.compressing(min_numel=1 << 30):
+        zero_grads(model, x)
+        out = model(x)
+    assert SESSION._live == 0  # the inner block's options won
+    loss_of(out).backward()
+    del out
+    zero_grads(model, x)
+    out = model(x)
+    assert SESSION._live == 2  # enable()'s hooks are back
+    loss_of(out).backward()
+    del out
+    assert bitsparse.stats().tensors_compressed == 2
+    assert_same_grads(grads(model, x), expected)
+
+
+def test_disable_inside_compressing_raises():
+    bitsparse.enable(min_numel=MIN_NUMEL)
+    with bitsparse.compressing():
+        with pytest.raises(RuntimeError, match="inside compressing"):
+            bitsparse.disable()
+        assert bitsparse.is_enabled()
+    assert bitsparse.is_enabled()
+    bitsparse.disable()
+    assert not bitsparse.is_enabled()
+
+
+def test_enable_inside_compressing_raises():
+    with bitsparse.compressing():
+        with pytest.raises(RuntimeError, match="compressing"):
+            bitsparse.enable()
+        assert not bitsparse.is_enabled()
+    assert not bitsparse.is_enabled()
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_enable_inside_compressing_while_enabled_raises():
+    bitsparse.enable(min_numel=MIN_NUMEL)
+    with bitsparse.compressing():
+        with pytest.raises(RuntimeError, match="compressing"):
+            bitsparse.enable(min_numel=1)
+        assert bitsparse.is_enabled()
+    model, x = mlp(), mlp_input()
+    train_step(model, x, contextlib.nullcontext())
+    assert bitsparse.stats().tensors_compressed == 2  # the first enable() still applies
+
+
+def test_disable_without_enable_is_a_no_op():
+    assert not bitsparse.is_enabled()
+    bitsparse.disable()
+    bitsparse.disable()
+    assert not bitsparse.is_enabled()
+
+
+def test_enable_is_thread_local():
+    bitsparse.enable(min_numel=MIN_NUMEL)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(bitsparse.is_enabled()))
+    thread.start()
+    thread.join()
+    assert seen == [False]
+
+
+# --------------------------------------------------------------------------------------------
+# Option errors
+
+
+def test_unknown_option():
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['bogus'\]; the options are \[.*'capacity'.*'min_numel'.*\]"):
+        with bitsparse.compressing(bogus=1):
+            pass
+    with pytest.raises(TypeError, match="bogus"):
+        bitsparse.enable(bogus=1)
+    assert not bitsparse.is_enabled()
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"capacity": -1}, "capacity must be a number of bytes"),
+        ({"capacity": 0}, "capacity must be a number of bytes"),
+        ({"capacity": 1.5}, r"float in \(0, 1\]"),
+        ({"capacity": 0.0}, "capacity must be"),
+        ({"capacity": True}, "capacity must be"),
+        ({"capacity": "big"}, "capacity must be"),
+        ({"select": "x"}, r"select must be one of \('relu', 'all'\), got 'x'"),
+        ({"window": 0}, "window must be an int >= 1, got 0"),
+        ({"window": 1.5}, "window must be an int >= 1"),
+        ({"min_numel": -1}, "min_numel must be an int >= 0, got -1"),
+        ({"backend": "cuda"}, r"backend must be None, 'torch' or 'triton', got 'cuda'"),
+    ],
+    ids=lambda v: repr(v) if isinstance(v, dict) else "",
+)
+def test_bad_option_values(options, message):
+    with pytest.raises(ValueError, match=message):
+        with bitsparse.compressing(**options):
+            pass
+    with pytest.raises(ValueError, match=message):
+        bitsparse.enable(**options)
+    assert not bitsparse.is_enabled()
+    assert getattr(training._local, "tracking_depth", 0) == 0
+
+
+def test_good_option_values():
+    for options in [{"capacity": 1 << 20}, {"capacity": 0.01}, {"capacity": "auto"}, {"window": 1},
+                    {"select": "all"}, {"backend": "torch"}, {"min_numel": 0}]:
+        assert Options.from_kwargs(options) == Options(**options)
+        with bitsparse.compressing(**options):
+            pass
+
+
+@pytest.mark.parametrize("value", [3, 3.0, None, [1.0]])
+def test_mark_non_tensor(value):
+    with pytest.raises(TypeError, match=f"mark expects a torch.Tensor, got {type(value).__name__}"):
+        bitsparse.mark(value)
+
+
+# --------------------------------------------------------------------------------------------
+# Threads
+
+
+def test_two_threads_train_concurrently():
+    models = [mlp(seed=0), mlp(d_in=48, hidden=192, seed=1)]
+    inputs = [mlp_input(3), mlp_input(4, batch=96, d_in=48)]
+    expected = [train_step(m, x, contextlib.nullcontext()) for m, x in zip(models, inputs)]
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def worker(i):
+        try:
+            for _ in range(4):
+                barrier.wait(timeout=30)
+                got = train_step(models[i], inputs[i], bitsparse.compressing(min_numel=MIN_NUMEL))
+                assert_same_grads(got, expected[i])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    if errors:
+        raise errors[0]
+    assert SESSION._live == 0
+    assert bitsparse.stats().tensors_compressed > 0
+
+
+def test_a_relu_in_flight_in_another_thread_does_not_leak():
+    entered, release = threading.Event(), threading.Event()
+
+    class Slow(torch.Tensor):
+        """Pauses inside torch.relu, after the provenance mode has noted the op as in flight."""
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.relu:
+                entered.set()
+                release.wait(timeout=30)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    def other():
+        with bitsparse.compressing(min_numel=MIN_NUMEL):
+            torch.relu(torch.randn(10).as_subclass(Slow))
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        assert entered.wait(timeout=30)
+        torch.manual_seed(0)
+        lin = nn.Linear(64, 256)
+        with bitsparse.compressing(min_numel=MIN_NUMEL):
+            y = torch.exp(lin(torch.randn(32, 64)))  # saves its input and exp's result
+        s = bitsparse.stats()
+        del y
+    finally:
+        release.set()
+        thread.join(timeout=30)
+    assert s.tensors_compressed == 0
+    assert s.tensors_skipped.get("not_relu_family", 0) == 2
+
+
+def test_hooks_are_thread_local():
+    """While one thread is inside compressing(), another thread's forward is not compressed."""
+    model, x = mlp(), mlp_input()
+    expected = train_step(model, x, contextlib.nullcontext())
+    inside, done = threading.Event(), threading.Event()
+    errors = []
+
+    def holder():
+        try:
+            with bitsparse.compressing(min_numel=MIN_NUMEL):
+                inside.set()
+                done.wait(timeout=30)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert inside.wait(timeout=30)
+        other_model, other_x = mlp(), mlp_input()
+        before = bitsparse.stats().as_dict()
+        assert_same_grads(train_step(other_model, other_x, contextlib.nullcontext()), expected)
+        assert bitsparse.stats().as_dict() == before
+    finally:
+        done.set()
+        thread.join(timeout=30)
+    assert not errors
