@@ -229,13 +229,16 @@ class Arena:
 
     def _fit(self, fixed_demand: int, values_demand: int, complete: bool) -> None:
         """Resize the regions to the last step's demand: grow when it came close to a region's
-        size, shrink when it used less than half (only when every report is in, since the
-        demand known so far is a lower bound)."""
+        size, shrink when it used less than half (only when every report is in and nothing
+        was refused, since otherwise the demand known is a lower bound)."""
         value_words = self.values.capacity + 1
         fixed_words = self.fixed_capacity_words
 
+        # After a refusal the demand of what was refused is unknown: shrink nothing then.
+        may_shrink = complete and fixed_demand <= fixed_words and values_demand < value_words
+
         def planned(current: int, demand: int) -> int:
-            if demand > GROW_WHEN_ABOVE * current or (complete and demand * 2 < current):
+            if demand > GROW_WHEN_ABOVE * current or (may_shrink and demand * 2 < current):
                 return max(8, math.ceil(demand * HEADROOM))
             return current
 

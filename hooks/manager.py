@@ -277,6 +277,7 @@ class Session:
         fixed = arena.reserve_fixed(self._geometry.fixed_nbytes(t.numel()) // 4)
         if fixed is None:
             collector.fallbacks["arena_full"] += 1
+            collector.stats.dense_bytes += t.numel() * t.element_size()
             collector.stats.stored_bytes += t.numel() * t.element_size()
             handle = StoredTensor(None, t.detach(), options.backend, lease, None)
             handle.confirm(False)
