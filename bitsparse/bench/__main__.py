@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from bitsparse.bench import codec, gpt
+from bitsparse.bench import codec, gpt, mlp
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -15,6 +15,7 @@ def main(argv: list[str] | None = None) -> None:
     suites = parser.add_subparsers(dest="suite", required=True)
     codec.add_arguments(suites.add_parser("codec", help="encode/decode bandwidth against a copy"))
     gpt.add_arguments(suites.add_parser("gpt", help="12-layer GPT: memory and step time per mode"))
+    mlp.add_arguments(suites.add_parser("mlp", help="MLP stack: memory and step time per mode"))
     args = parser.parse_args(argv)
     if args.suite == "codec" and args.sweep:
         codec.sweep(args)
@@ -22,6 +23,8 @@ def main(argv: list[str] | None = None) -> None:
         codec.run(args)
     elif args.suite == "gpt":
         gpt.run(args)
+    elif args.suite == "mlp":
+        mlp.run(args)
 
 
 if __name__ == "__main__":

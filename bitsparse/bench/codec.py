@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
+import time
 
 import torch
 
+from bitsparse.bench.training import write_csv
 from bitsparse.codecs import get_codec
 from bitsparse.compressed import ValueBuffer
 from bitsparse.format import TileGeometry, dtype_spec
@@ -38,7 +41,7 @@ def relu_like(numel: int, zero_fraction: float, dtype: torch.dtype, device) -> t
 
 
 def time_ms(fn, before=None, reps: int = 30, warmup: int = 5) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` runs, timed with CUDA events.
+    """Median milliseconds of ``fn`` over ``reps`` runs: CUDA events on a GPU, else a host clock.
 
     ``before`` runs ahead of each timed call, outside the timed window.
     """
@@ -50,13 +53,18 @@ def time_ms(fn, before=None, reps: int = 30, warmup: int = 5) -> float:
     for _ in range(reps):
         if before:
             before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        times.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in times)
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times)
 
 
 def measure(x: torch.Tensor, sign_pack: bool, backend: str, reps: int) -> dict:
@@ -96,27 +104,31 @@ def measure(x: torch.Tensor, sign_pack: bool, backend: str, reps: int) -> dict:
     }
 
 
-def copy_gbs(numel: int, reps: int) -> float:
-    src = torch.empty(numel * 2, dtype=torch.uint8, device="cuda").random_()
+def copy_gbs(numel: int, reps: int, device) -> float:
+    src = torch.empty(numel * 2, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), reps=reps)
     return 2 * src.numel() / ms / 1e6
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    if not torch.cuda.is_available():
-        raise SystemExit("the codec benchmark needs a CUDA device")
+    if args.quick:  # a small CPU version, for the test suite
+        device, numel, reps, backend = "cpu", 1 << 16, 3, "torch"
+    elif torch.cuda.is_available():
+        device, numel, reps, backend = "cuda", 1 << args.log2_numel, args.reps, args.backend
+    else:
+        raise SystemExit("the codec benchmark needs a CUDA device (or --quick for a CPU run)")
     torch.manual_seed(0)
-    numel = 1 << args.log2_numel
-    copy = copy_gbs(numel, args.reps)
-    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy:.0f} GB/s "
-          f"(bytes read + written), {numel} elements per case")
+    copy = copy_gbs(numel, reps, device)
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    print(f"{name}: device-to-device copy {copy:.0f} GB/s (bytes read + written), "
+          f"{numel} elements per case, {backend} backend")
+    print(f"{'dtype':<14}{'zeros':>6}{'packed':>7}{'ratio':>7}{'encode GB/s':>13}{'%copy':>7}"
+          f"{'decode GB/s':>13}{'%copy':>7}")
     rows = []
-    header = f"{'dtype':<14}{'zeros':>6}{'packed':>7}{'ratio':>7}{'encode GB/s':>13}{'%copy':>7}{'decode GB/s':>13}{'%copy':>7}"
-    print(header)
     for dtype, zeros, sign_pack in CASES:
-        x = relu_like(numel, zeros, dtype, "cuda")
-        result = measure(x, sign_pack, args.backend, args.reps)
+        x = relu_like(numel, zeros, dtype, device)
+        result = measure(x, sign_pack, backend, reps)
         row = {
             "dtype": str(dtype).removeprefix("torch."),
             "zeros": zeros,
@@ -131,8 +143,31 @@ def run(args: argparse.Namespace) -> list[dict]:
         print(f"{row['dtype']:<14}{zeros:>6.2f}{str(sign_pack):>7}{row['ratio']:>7.2f}"
               f"{row['encode_gbs']:>13.0f}{row['encode_pct_copy']:>6.1f}%"
               f"{row['decode_gbs']:>13.0f}{row['decode_pct_copy']:>6.1f}%")
-        del x
+    os.makedirs(args.out, exist_ok=True)
+    write_csv(os.path.join(args.out, "codec.csv"), rows)
+    plot(os.path.join(args.out, "codec.png"), rows, f"{name}, {numel} elements, {backend} backend")
     return rows
+
+
+def plot(path: str, rows: list[dict], title: str) -> None:
+    """Encode and decode bandwidth per case, as a percentage of the copy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['dtype']}\n{round(100 * r['zeros'])}%{' 15b' if r['sign_pack'] else ''}" for r in rows]
+    positions = range(len(rows))
+    figure, axis = plt.subplots(figsize=(10, 4))
+    axis.bar([p - 0.2 for p in positions], [r["encode_pct_copy"] for r in rows], 0.4, label="encode")
+    axis.bar([p + 0.2 for p in positions], [r["decode_pct_copy"] for r in rows], 0.4, label="decode")
+    axis.set_xticks(list(positions), labels, fontsize=7)
+    axis.set_ylabel("% of device-to-device copy bandwidth")
+    axis.set_title(title)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def sweep(args: argparse.Namespace) -> None:
@@ -141,7 +176,7 @@ def sweep(args: argparse.Namespace) -> None:
 
     torch.manual_seed(0)
     numel = 1 << args.log2_numel
-    copy = copy_gbs(numel, args.reps)
+    copy = copy_gbs(numel, args.reps, "cuda")
     x = relu_like(numel, 0.5, torch.bfloat16, "cuda")
     for sign_pack in (False, True):
         for warps, per_sm in itertools.product((2, 4, 8), (4, 16)):
@@ -158,3 +193,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=30, help="timed runs per measurement (median)")
     parser.add_argument("--backend", default="triton", choices=("triton", "torch"))
     parser.add_argument("--sweep", action="store_true", help="sweep Triton launch parameters instead")
+    parser.add_argument("--quick", action="store_true", help="a small CPU run of the torch codec")
+    parser.add_argument("--out", default=".", help="folder for the CSV and PNG")

@@ -100,7 +100,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(rms_norm(x))
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
     def mlps(self) -> list[MLP]:
         return [block.mlp for block in self.blocks]

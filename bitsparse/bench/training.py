@@ -24,13 +24,13 @@ import bitsparse
 MODES = ("dense", "checkpoint", "offload", "bitsparse", "bitsparse-15bit")
 
 
-def mode_context(mode: str):
+def mode_context(mode: str, **bitsparse_options):
     if mode == "offload":
-        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+        return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
     if mode == "bitsparse":
-        return bitsparse.compressing()
+        return bitsparse.compressing(**bitsparse_options)
     if mode == "bitsparse-15bit":
-        return bitsparse.compressing(sign_pack=True)
+        return bitsparse.compressing(sign_pack=True, **bitsparse_options)
     return contextlib.nullcontext()
 
 
@@ -58,6 +58,7 @@ def compare_modes(
     modes=MODES,
     repeats: int = 10,
     warmup: int = 3,
+    bitsparse_options: dict | None = None,
 ) -> list[ModeResult]:
     """Run one step of ``loss_fn().backward()`` per mode and round; measure memory and time."""
     cuda = torch.cuda.is_available()
@@ -65,7 +66,7 @@ def compare_modes(
 
     def step(mode: str) -> None:
         model.set_checkpointing(mode == "checkpoint")
-        with mode_context(mode):
+        with mode_context(mode, **(bitsparse_options or {})):
             loss = loss_fn()
         loss.backward()
         model.set_checkpointing(False)
@@ -171,3 +172,100 @@ def write_csv(path, rows: list[dict]) -> None:
 
 def as_rows(results: list[ModeResult], **labels) -> list[dict]:
     return [{**labels, **asdict(r)} for r in results]
+
+
+def largest_fitting(rows: list[dict], size_key: str, budget_bytes: float, static_bytes: float) -> None:
+    """Add ``fits_budget``: the largest size whose activations fit the budget, per row.
+
+    Activation memory grows linearly with tokens, so it is extrapolated from the row's own
+    measurement: ``(budget - static) / (bytes per token)`` tokens, in units of ``size_key``.
+    """
+    for row in rows:
+        per_token = row["mib_per_token"] * 2**20
+        tokens_per_unit = row["tokens"] / row[size_key]
+        fits = (budget_bytes - static_bytes) / per_token / tokens_per_unit if per_token > 0 else float("nan")
+        row["fits_budget"] = int(fits) if fits == fits else None
+
+
+def plot_suite(path: str, rows: list[dict], size_key: str, title: str) -> None:
+    """Memory per token and step time against ``size_key``, one line per mode and zero level."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (memory, time) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for (mode, zeros), group in _groups(rows).items():
+        sizes = [r[size_key] for r in group]
+        style = "-" if zeros == "init" else "--"
+        label = f"{mode} ({zeros} zeros)"
+        memory.plot(sizes, [r["mib_per_token"] for r in group], style, marker="o", label=label)
+        time.plot(sizes, [r["step_ms"] for r in group], style, marker="o", label=label)
+    memory.set_ylabel("activation memory (MiB per token)")
+    time.set_ylabel("step time (ms, median)")
+    for axis in (memory, time):
+        axis.set_xlabel(size_key)
+        axis.grid(alpha=0.3)
+    time.legend(fontsize=7)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def run_suite(args, name: str, size_key: str, sizes, build, title: str) -> list[dict]:
+    """Compare the modes at every size and zero level; print, and write ``<name>.csv/.png``.
+
+    ``build(size)`` returns ``(model, loss_fn, tokens)`` for a fresh model of that size.
+    """
+    import os
+
+    from bitsparse.bench.models import shift_to_sparsity
+
+    rows = []
+    cuda = torch.cuda.is_available()
+    for zeros in args.zeros:
+        for size in sizes:
+            torch.manual_seed(0)
+            model, loss_fn, tokens = build(size)
+            if zeros is not None:
+                shift_to_sparsity(model, loss_fn, zeros)
+            static = torch.cuda.memory_allocated() if cuda else 0
+            # The quick models' tensors are small: compress them anyway.
+            options = {"min_numel": 1024} if args.quick else {}
+            results = compare_modes(model, loss_fn, tokens, args.modes, args.repeats, args.warmup, options)
+            label = "init" if zeros is None else f"{round(100 * zeros)}%"
+            print_table(f"{name} {size_key}={size}, MLP zeros {label}", results)
+            size_rows = as_rows(results, suite=name, **{size_key: size}, zeros=label)
+            if args.budget_gib:
+                largest_fitting(size_rows, size_key, args.budget_gib * 2**30, static)
+            rows += size_rows
+            del model, loss_fn
+            if cuda:
+                torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    write_csv(os.path.join(args.out, f"{name}.csv"), rows)
+    plot_suite(os.path.join(args.out, f"{name}.png"), rows, size_key, title)
+    if args.budget_gib:
+        print(f"largest {size_key} within {args.budget_gib} GiB (linear extrapolation per mode):")
+        for row in rows:
+            print(f"  {row['zeros']:>5} zeros  {row['mode']:<16} {row['fits_budget']}")
+    return rows
+
+
+def add_common_arguments(parser, zeros_default) -> None:
+    parser.add_argument("--zeros", type=lambda s: None if s == "init" else float(s), nargs="+",
+                        default=zeros_default, help="MLP zero fractions ('init' = as initialised)")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--repeats", type=int, default=10, help="interleaved timing rounds")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
+    parser.add_argument("--budget-gib", type=float, help="also report the largest size that fits")
+    parser.add_argument("--quick", action="store_true", help="a tiny version that runs on the CPU")
+    parser.add_argument("--out", default=".", help="folder for the CSV and PNG")
+
+
+def _groups(rows: list[dict]) -> dict:
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault((row["mode"], row["zeros"]), []).append(row)
+    return groups

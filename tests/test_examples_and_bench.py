@@ -1,0 +1,72 @@
+"""The training example and the benchmark suites, in their small CPU configurations."""
+
+import csv
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from bitsparse.bench.__main__ import main as bench
+from bitsparse.bench.codec import CASES
+from bitsparse.bench.training import MODES
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def is_png(path: Path) -> bool:
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU defaults")
+def test_train_gpt_tiny_trains_with_exact_gradients(tmp_path, capsys):
+    example = load_example("train_gpt")
+    summary = example.main(["--steps", "4", "--plot", str(tmp_path / "training.png")])
+    out = capsys.readouterr().out
+    # The first step's check raises SystemExit when gradients differ; here it must pass.
+    assert "gradients: identical with and without BitSparse (bit for bit)" in out
+    assert summary["steps"] == 4 and summary["final_loss"] < summary["first_loss"]
+    assert 0 < summary["final_zero_fraction"] < 1 and summary["compression_ratio"] > 1
+    assert out.count("saved tensors compressed") == 4  # the stats line of every step
+    assert is_png(tmp_path / "training.png")
+
+
+def test_quickstart_runs(capsys):
+    load_example("quickstart").main()
+    out = capsys.readouterr().out
+    assert "round trip:         bit-exact" in out
+    assert "bit-identical to the plain run" in out
+
+
+@pytest.mark.parametrize("suite, size_key", [("mlp", "rows"), ("gpt", "T")])
+def test_training_suites_quick(tmp_path, suite, size_key):
+    bench([suite, "--quick", "--repeats", "1", "--warmup", "1", "--out", str(tmp_path)])
+    rows = read_csv(tmp_path / f"{suite}.csv")
+    assert is_png(tmp_path / f"{suite}.png")
+    assert {r["mode"] for r in rows} == set(MODES)
+    assert {r["zeros"] for r in rows} == {"init", "90%"}
+    assert len({r[size_key] for r in rows}) == 2
+    # On the CPU every mode's gradients equal dense, bit for bit.
+    assert all(r["grads_equal_dense"] == "True" for r in rows)
+    compressed = [r for r in rows if r["mode"].startswith("bitsparse")]
+    sparse = [float(r["compression_ratio"]) for r in compressed if r["zeros"] == "90%"]
+    assert min(sparse) > 3
+
+
+def test_codec_suite_quick(tmp_path):
+    bench(["codec", "--quick", "--out", str(tmp_path)])
+    rows = read_csv(tmp_path / "codec.csv")
+    assert len(rows) == len(CASES) and is_png(tmp_path / "codec.png")
+    assert all(float(r["encode_gbs"]) > 0 and float(r["decode_gbs"]) > 0 for r in rows)
