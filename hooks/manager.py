@@ -190,11 +190,17 @@ class Session:
     def pack(self, t: torch.Tensor, options: Options):
         # Most saved tensors are skipped: decide that first, cheaply.
         reason = self._skip_reason(t, options)
-        record = None
+        record = order = None
         if reason is None:
             record = self.tracker.lookup(t)
             if options.select == "relu" and record is None and not self.tracker.in_flight(t):
                 reason = "not_relu_family"
+            else:
+                # Compressed in memory order, the tensor is restored with its own strides
+                # (kernels such as convolutions may round differently on another layout).
+                order = memory_order(t)
+                if order is None:
+                    reason = "overlapping_or_gapped"
         with self._lock:
             if self._live == 0 and self._collector.arenas:
                 self._begin_step()
@@ -214,7 +220,7 @@ class Session:
                     stats.tensors_recomputed += 1
             if found is None:
                 nonnegative = record is not None or self.tracker.in_flight(t)
-                handle = self._store(t, options, sign_pack=options.sign_pack and nonnegative)
+                handle = self._store(t, order, options, sign_pack=options.sign_pack and nonnegative)
                 if record is not None and record.stored is None:
                     record.stored = (weakref.ref(handle), t.storage_offset())
                 handle.slots += 1  # it restores t itself, whatever t's strides
@@ -241,8 +247,6 @@ class Session:
             return "layout_or_device"
         if t.numel() > MAX_NUMEL:
             return "large"
-        if memory_order(t) is None:
-            return "overlapping_or_gapped"
         if _is_parameter(t):
             return "parameter"
         if options.select == "all" and self._site(t) in self._unprofitable:
@@ -265,8 +269,9 @@ class Session:
             self._arenas[device] = (arena, configured)
         return arena
 
-    def _store(self, t: torch.Tensor, options: Options, sign_pack: bool) -> StoredTensor:
-        """Compress ``t`` into its device's arena (or keep it dense when the arena is full).
+    def _store(self, t: torch.Tensor, order, options: Options, sign_pack: bool) -> StoredTensor:
+        """Compress ``t.permute(order)`` into the device's arena (or keep ``t`` dense when the
+        arena is full).
 
         Either way the handle holds a lease, so the step lasts as long as autograd holds it.
         """
@@ -285,9 +290,6 @@ class Session:
         nonzeros = collector.nonzeros.get(t.device)
         if nonzeros is None:
             nonzeros = collector.nonzeros[t.device] = torch.zeros(1, dtype=torch.int64, device=t.device)
-        # Compress in memory order, so the restored tensor has t's strides (kernels such as
-        # convolutions may compute differently on another layout).
-        order = memory_order(t)
         compressed = compress(
             t.permute(order),
             sign_pack=sign_pack,

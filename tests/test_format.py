@@ -1,5 +1,6 @@
 """The format module: dtype descriptions, tile geometry and exact sizes."""
 
+import dataclasses
 import math
 
 import pytest
@@ -89,7 +90,7 @@ def test_tile_geometry_is_hashable_and_frozen():
     assert TileGeometry(256) == TileGeometry(256)
     assert hash(TileGeometry(256)) == hash(TileGeometry(256))
     assert TileGeometry(256) != TileGeometry(512)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         TileGeometry(256).tile_size = 512
 
 

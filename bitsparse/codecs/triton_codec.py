@@ -1,12 +1,13 @@
 """The Triton codec: one pass over the data in each direction, no host synchronization.
 
-Encoding is a persistent kernel: each program walks its share of tiles. For a tile it builds
-the 32-bit mask words from the nonzero test, ranks every element among the tile's nonzeros
-(exclusive scan of the words' popcounts plus the popcount of the bits below it), claims the
-tile's stream words with one relaxed atomic add on the cursor, and scatters the values to
-``start + rank``. Sign-packed tiles first scatter their values to a per-program scratch block
-(it stays in L2), then assemble each output word from the at most ``floor(31 / b) + 2`` values
-that overlap it, so every word is written once, whole.
+Encoding works on one tile of 4096 elements as a 1-D block: it builds the 32-bit mask words
+from the nonzero test, ranks every element among the tile's nonzeros (exclusive scan of the
+words' popcounts, gathered back to the elements, plus the popcount of the bits below each),
+claims the tile's stream words with one relaxed atomic add on the cursor, and scatters the
+values to ``start + rank``. Without sign packing there is one program per tile. With it the
+grid is persistent, because each program needs a scratch block (it stays in L2): a packed
+tile's values are compacted there first, then each output word is assembled from the at most
+``floor(31 / b) + 2`` values that overlap it, so every word is written once, whole.
 
 Decoding runs one program per tile: the same rank computation, then a gather (raw values) or
 a two-word funnel shift (packed values) for every set bit, and a dense store of the tile.
@@ -25,7 +26,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
-from bitsparse.format import WORD_BITS, DTypeSpec, TileGeometry
+from bitsparse.format import WORD_BITS
 
 name = "triton"
 
