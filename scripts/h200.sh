@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# One device run: install, GPU tests, benchmarks. Usage: bash scripts/h200.sh [bench args...]
+# First step of every run on the device machine: install the package and print the versions
+# that docs/benchmarks.md records. Then, for example:
+#   python -m pytest -q -m gpu tests/
+#   python -m bitsparse.bench codec
+#   python -m bitsparse.bench gpt --out "$OUT"
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 python -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | grep -iv warning
