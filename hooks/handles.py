@@ -123,5 +123,7 @@ class Recomputed(Handle):
         self.offset = like.storage_offset() - result_offset
 
     def _restore(self) -> torch.Tensor:
-        result = self.op(self.source.tensor())
+        # Not self.source.tensor(): that would keep the source's view cached for as long as
+        # this handle lives. The stored tensor underneath still decodes once per backward.
+        result = self.op(self.source._restore())
         return result.as_strided(self.size, self.stride, self.offset)

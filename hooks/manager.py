@@ -348,11 +348,11 @@ class Session:
         key = (result.dtype, result.device.type)
         if key not in self._recompute_verified:
             # Once per dtype and device: is the recomputed square the forward's, bit for bit?
-            recomputed = torch.square(source_view.tensor())
+            recomputed = torch.square(source_view._restore())
             self._recompute_verified[key] = bool(
                 torch.equal(recomputed.view(torch.uint8), result.detach().contiguous().view(torch.uint8))
             )
-            source_view._cache = source_handle._cache = None  # nothing decoded stays alive
+            source_handle._cache = None  # nothing decoded stays alive
         if not self._recompute_verified[key]:
             return None
         handle = Recomputed(source_view, torch.square, result, record.offset)
