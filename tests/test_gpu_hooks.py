@@ -108,3 +108,38 @@ def test_training_step_has_no_host_synchronization():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert bitsparse.stats().tensors_compressed >= 3
+
+
+def _cuda_bf16_case(name):
+    """The CPU suite's models (tests/test_hooks.py), on CUDA in bf16."""
+    import test_hooks as cpu
+
+    builders = {
+        "relu_mlp": (cpu.mlp, lambda: cpu.mlp_input(batch=4096)),
+        "transformer_three_spellings": (cpu.transformer, lambda: cpu.sequence_input()),
+        "convnet": (cpu.convnet, lambda: cpu.image_input()),
+        "custom_function_with_mark": (lambda: cpu.CustomMLP(use_mark=True), lambda: cpu.mlp_input(batch=4096)),
+    }
+    build_model, build_input = builders[name]
+    model = build_model().cuda().to(torch.bfloat16)
+    x = build_input().cuda().to(torch.bfloat16).detach().requires_grad_()
+    return model, x
+
+
+@pytest.mark.parametrize("name", ["relu_mlp", "transformer_three_spellings", "convnet", "custom_function_with_mark"])
+def test_cpu_suite_models_bf16_gradients_are_bit_identical(name):
+    model, x = _cuda_bf16_case(name)
+
+    def step(compressed):
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        with bitsparse.compressing(min_numel=256) if compressed else torch.enable_grad():
+            out = model(x)
+        out.float().square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+    reference = step(False)
+    assert all(torch.equal(a, b) for a, b in zip(reference, step(False))), "dense runs disagree"
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(reference, step(True)))
+    assert bitsparse.stats().tensors_compressed >= 1
