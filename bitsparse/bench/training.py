@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import os
 import statistics
+import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 
 import bitsparse
+from bitsparse.bench.models import shift_to_sparsity
 
 MODES = ("dense", "checkpoint", "offload", "bitsparse", "bitsparse-15bit")
 
@@ -108,8 +111,6 @@ def compare_modes(
                 end.synchronize()
                 times[mode].append(start.elapsed_time(end))
             else:
-                import time
-
                 t0 = time.perf_counter()
                 step(mode)
                 times[mode].append(1000 * (time.perf_counter() - t0))
@@ -218,10 +219,6 @@ def run_suite(args, name: str, size_key: str, sizes, build, title: str) -> list[
 
     ``build(size)`` returns ``(model, loss_fn, tokens)`` for a fresh model of that size.
     """
-    import os
-
-    from bitsparse.bench.models import shift_to_sparsity
-
     rows = []
     cuda = torch.cuda.is_available()
     for zeros in args.zeros:
