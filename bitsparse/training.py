@@ -25,7 +25,6 @@ class _Installation:
     """The hooks (and, outermost only, the provenance mode) for one set of options."""
 
     def __init__(self, options: Options):
-        self.options = options
         self._hooks = torch.autograd.graph.saved_tensors_hooks(
             functools.partial(_session.pack, options=options), _session.unpack
         )

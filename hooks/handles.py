@@ -53,7 +53,7 @@ class StoredTensor(Handle):
     memory order (``order``), so the restored tensor has the original strides.
     """
 
-    __slots__ = ("compressed", "dense", "backend", "fits", "lease", "order")
+    __slots__ = ("compressed", "dense", "backend", "lease", "order")
 
     def __init__(
         self,
@@ -67,12 +67,10 @@ class StoredTensor(Handle):
         self.compressed = compressed
         self.dense: torch.Tensor | None = dense
         self.backend = backend
-        self.fits: bool | None = None
         self.lease = lease
         self.order = order  # the tensor was compressed as dense.permute(order)
 
     def confirm(self, fits: bool) -> None:
-        self.fits = fits
         if fits:
             self.dense = None
 
