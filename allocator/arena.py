@@ -105,7 +105,12 @@ class Arena:
         self._allocate(fixed, words - fixed)
         self._asynchronous = self.device.type == "cuda"
         if self._asynchronous:
-            self._ends = torch.empty(window + 1, dtype=torch.int64, pin_memory=True)
+            # A ring of window + 1 report slots, each with its event: slot k is reused only
+            # after its last report was delivered. Made once, since each submit is host time.
+            ends = torch.empty(window + 1, dtype=torch.int64, pin_memory=True)
+            self._end_slots = ends.split(1)
+            self._ends = ends.numpy()
+            self._events = [torch.cuda.Event() for _ in range(window + 1)]
         self._pending: collections.deque = collections.deque()
         self._step = 0
         self._last_report = (0, 0)
@@ -155,8 +160,8 @@ class Arena:
             self._deliver(wait=True)
         slot = self._submitted % (self.window + 1)
         self._submitted += 1
-        self._ends[slot : slot + 1].copy_(self._cursor, non_blocking=True)
-        event = torch.cuda.Event()
+        self._end_slots[slot].copy_(self._cursor, non_blocking=True)
+        event = self._events[slot]
         event.record()
         self._pending.append((event, slot, self._step, on_end))
 

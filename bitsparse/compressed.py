@@ -215,7 +215,8 @@ def compress(
     masks = fixed[: num_tiles * geometry.mask_words].view(num_tiles, geometry.mask_words)
     tile_words = fixed[num_tiles * geometry.mask_words :]
     base = values.cursor.clone()
-    bits = x.detach().contiguous().view(-1).view(spec.bits_dtype)
+    # The codecs index the elements flat and read their bits: one view of a contiguous x.
+    bits = (x if x.is_contiguous() else x.contiguous()).view(spec.bits_dtype)
     codec.encode(
         bits, masks, tile_words, values.words, values.cursor, base, spec, geometry, sign_pack, nonzeros
     )

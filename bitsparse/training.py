@@ -1,10 +1,10 @@
 """The training API: store ReLU-family activations compressed while autograd keeps them.
 
 ``compressing()`` wraps a forward pass; ``enable()`` does the same for the calling thread
-until ``disable()``. Both install a ``torch.autograd.graph.saved_tensors_hooks`` pair and a
-``TorchFunctionMode`` that notes which tensors ReLU-family ops produce. Tensors are compressed
-into one arena per device, restored bit for bit in backward, and the arena is reused as soon
-as the step's graph is freed.
+until ``disable()``. Both install a ``torch.autograd.graph.saved_tensors_hooks`` pair whose
+pack hook reads from each saved tensor's ``grad_fn`` whether a ReLU-family op produced it.
+Tensors are compressed into one arena per device, restored bit for bit in backward, and the
+arena is reused as soon as the step's graph is freed.
 """
 
 from __future__ import annotations
@@ -22,30 +22,23 @@ _local = threading.local()
 
 
 class _Installation:
-    """The hooks (and, outermost only, the provenance mode) for one set of options."""
+    """The hooks for one set of options; counts the thread's open installations."""
 
     def __init__(self, options: Options):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(
             functools.partial(_session.pack, options=options), _session.unpack
         )
-        self._tracking = False
 
     def __enter__(self):
         _session.begin_step_if_idle()
-        depth = getattr(_local, "tracking_depth", 0)
-        if depth == 0:
-            _session.tracker.__enter__()
-            self._tracking = True
-        _local.tracking_depth = depth + 1
+        _local.depth = getattr(_local, "depth", 0) + 1
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
         _session.poll()
-        _local.tracking_depth -= 1
-        if self._tracking:
-            _session.tracker.__exit__(*exc)
+        _local.depth -= 1
         return False
 
 
@@ -93,7 +86,7 @@ def enable(**options) -> None:
     """
     installation = _Installation(Options.from_kwargs(options))
     disable()
-    if getattr(_local, "tracking_depth", 0):
+    if getattr(_local, "depth", 0):
         raise RuntimeError("enable() cannot be called inside compressing(); call it before")
     installation.__enter__()
     _local.enabled = installation
@@ -108,7 +101,7 @@ def disable() -> None:
     installation = getattr(_local, "enabled", None)
     if installation is None:
         return
-    if _local.tracking_depth != 1:
+    if _local.depth != 1:
         raise RuntimeError("disable() cannot be called inside compressing(); call it after")
     installation.__exit__(None, None, None)
     _local.enabled = None
@@ -139,5 +132,5 @@ def mark(t: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"mark expects a torch.Tensor, got {type(t).__name__}")
-    _session.tracker.mark(t)
+    _session.marks.mark(t)
     return t

@@ -68,7 +68,7 @@ class StoredTensor(Handle):
         self.dense: torch.Tensor | None = dense
         self.backend = backend
         self.lease = lease
-        self.order = order  # the tensor was compressed as dense.permute(order)
+        self.order = order  # the tensor was compressed as dense.permute(order) (() for dense)
 
     def confirm(self, fits: bool) -> None:
         if fits:
@@ -78,6 +78,8 @@ class StoredTensor(Handle):
         if self.dense is not None:
             return self.dense
         restored = decompress(self.compressed, backend=self.backend)
+        if not self.order:
+            return restored
         inverse = sorted(range(len(self.order)), key=self.order.__getitem__)
         return restored.permute(inverse)
 

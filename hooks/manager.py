@@ -1,7 +1,8 @@
 """The pack and unpack hooks: which saved tensors to compress, and where they go.
 
-``Session`` holds what outlives one forward pass: an arena per device, the provenance
-tracker, the table of stored tensors (to store each once) and the statistics of the step.
+``Session`` holds what outlives one forward pass: an arena per device, the marked tensors,
+the tables of stored tensors (to store each once, and to find a square's source) and the
+statistics of the step.
 A step begins at the first pack after every handle of the previous step was released.
 The hooks only call the public codec API; they know nothing of the kernels' insides.
 """
@@ -21,7 +22,7 @@ from bitsparse.allocator import Arena
 from bitsparse.compressed import MAX_NUMEL, compress
 from bitsparse.format import SUPPORTED_DTYPES, TileGeometry
 from bitsparse.hooks.handles import Handle, Recomputed, StoredTensor, ViewOf
-from bitsparse.hooks.provenance import ProvenanceTracker, Record, span_end
+from bitsparse.hooks.provenance import Marks, Provenance, classify_node, node_key, span_end, squared_input
 
 SELECTIONS = ("relu", "all")
 CPU_AUTO_CAPACITY = 64 << 20
@@ -158,8 +159,10 @@ class _StepCollector:
 
 
 def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
-    """The permutation of ``t``'s dims that makes it contiguous, or None when none does
-    (overlapping or gapped strides)."""
+    """The permutation of ``t``'s dims that makes it contiguous: ``()`` when ``t`` is already,
+    None when no permutation does (overlapping or gapped strides)."""
+    if t.is_contiguous():
+        return ()
     order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d])))
     return order if t.permute(order).is_contiguous() else None
 
@@ -174,7 +177,7 @@ class Session:
     """Process-wide state behind ``compressing()`` and ``enable()``."""
 
     def __init__(self):
-        self.tracker = ProvenanceTracker()
+        self.marks = Marks()
         self._lock = threading.RLock()
         self._arenas: dict[torch.device, tuple[Arena, tuple]] = {}
         self._geometry = TileGeometry()
@@ -182,6 +185,9 @@ class Session:
         self._step = 0
         self._collector = _StepCollector(0)
         self._stored: dict[tuple[int, int], list] = {}
+        # node_key(grad_fn, output_nr) -> (handle ref, start, shape, stride, offset) of the
+        # last contiguous tensor with that autograd identity: where a square finds its source.
+        self._sources: dict[tuple, tuple] = {}
         self._unprofitable: set = set()
         self._recompute_verified: dict[tuple, bool] = {}
 
@@ -190,11 +196,13 @@ class Session:
     def pack(self, t: torch.Tensor, options: Options):
         # Most saved tensors are skipped: decide that first, cheaply.
         reason = self._skip_reason(t, options)
-        record = order = None
+        provenance = order = None
         if reason is None:
-            record = self.tracker.lookup(t)
-            if options.select == "relu" and record is None and not self.tracker.in_flight(t):
+            provenance = self._provenance(t)
+            if provenance is None and options.select == "relu":
                 reason = "not_relu_family"
+            elif provenance is not Provenance.RELU and self._site(t) in self._unprofitable:
+                reason = "unprofitable_site"
             else:
                 # Compressed in memory order, the tensor is restored with its own strides
                 # (kernels such as convolutions may round differently on another layout).
@@ -214,20 +222,28 @@ class Session:
             found = self._find_stored(t)
             if found is not None:
                 stats.tensors_deduplicated += 1
-            elif record is not None and record.square_of is not None and options.recompute_squares:
-                found = self._recompute(record, t)
+            elif options.recompute_squares:
+                found = self._recompute(t)
                 if found is not None:
                     stats.tensors_recomputed += 1
             if found is None:
-                nonnegative = record is not None or self.tracker.in_flight(t)
-                handle = self._store(t, order, options, sign_pack=options.sign_pack and nonnegative)
-                if record is not None and record.stored is None:
-                    record.stored = (weakref.ref(handle), t.storage_offset())
-                handle.slots += 1  # it restores t itself, whatever t's strides
-                return handle
-            if record is not None and record.stored is None:
-                record.stored = (weakref.ref(found[0]), found[1])
-            return self._slot(*found, t)
+                handle = self._store(
+                    t,
+                    order,
+                    options,
+                    sign_pack=options.sign_pack and provenance is not None,
+                    learn_site=provenance is not Provenance.RELU,
+                )
+                found = (handle, t.storage_offset())
+                slot = handle
+                slot.slots += 1  # it restores t itself, whatever t's strides
+            else:
+                slot = self._slot(*found, t)
+            if t.grad_fn is not None and t.is_contiguous():
+                handle, start = found
+                key = node_key(t.grad_fn, t.output_nr)
+                self._sources[key] = (weakref.ref(handle), start, t.shape, t.stride(), t.storage_offset())
+            return slot
 
     def unpack(self, packed) -> torch.Tensor:
         if not isinstance(packed, Handle):
@@ -243,19 +259,24 @@ class Session:
             return "dtype"
         if t.numel() < max(options.min_numel, 1):
             return "small"
-        if t.layout != torch.strided or t.device.type not in ("cuda", "cpu"):
+        if t.layout != torch.strided or not (t.is_cuda or t.is_cpu):
             return "layout_or_device"
         if t.numel() > MAX_NUMEL:
             return "large"
         if _is_parameter(t):
             return "parameter"
-        if options.select == "all" and self._site(t) in self._unprofitable:
-            return "unprofitable_site"
         return None
+
+    def _provenance(self, t: torch.Tensor) -> Provenance | None:
+        if self.marks.covers(t):
+            return Provenance.RELU
+        return classify_node(t.grad_fn)
 
     @staticmethod
     def _site(t: torch.Tensor) -> tuple:
-        return (type(t.grad_fn).__name__, tuple(t.shape), t.dtype)
+        """Where in the model ``t`` comes from; all views of one tensor share their site."""
+        base = t._base if t._base is not None else t
+        return (type(base.grad_fn).__name__, tuple(base.shape), t.dtype)
 
     # -- storing ----------------------------------------------------------------------------
 
@@ -269,9 +290,10 @@ class Session:
             self._arenas[device] = (arena, configured)
         return arena
 
-    def _store(self, t: torch.Tensor, order, options: Options, sign_pack: bool) -> StoredTensor:
-        """Compress ``t.permute(order)`` into the device's arena (or keep ``t`` dense when the
-        arena is full).
+    def _store(self, t: torch.Tensor, order, options: Options, sign_pack: bool, learn_site: bool) -> StoredTensor:
+        """Compress ``t`` (permuted to ``order``, see ``memory_order``) into the device's arena (or keep ``t`` dense when the
+        arena is full). With ``learn_site``, a save site whose tensors do not pay is skipped
+        from then on.
 
         Either way the handle holds a lease, so the step lasts as long as autograd holds it.
         """
@@ -291,7 +313,7 @@ class Session:
         if nonzeros is None:
             nonzeros = collector.nonzeros[t.device] = torch.zeros(1, dtype=torch.int64, device=t.device)
         compressed = compress(
-            t.permute(order),
+            t.permute(order) if order else t,
             sign_pack=sign_pack,
             backend=options.backend,
             geometry=self._geometry,
@@ -311,7 +333,7 @@ class Session:
                 capacity=arena.values.capacity,
                 fixed_bytes=fixed.numel() * 4,
                 dense_bytes=compressed.dense_nbytes,
-                site=self._site(t) if options.select == "all" else None,
+                site=self._site(t) if learn_site else None,
                 unprofitable=self._unprofitable,
             )
         )
@@ -337,27 +359,33 @@ class Session:
                 return handle, start
         return None
 
-    def _recompute(self, record: Record, t: torch.Tensor) -> tuple[Handle, int] | None:
-        """A handle that restores the square ``record`` describes from its stored source."""
-        source = record.square_of
-        source_handle = source.stored[0]() if source.stored is not None else None
-        if source_handle is None:
+    def _recompute(self, t: torch.Tensor) -> tuple[Handle, int] | None:
+        """A handle that restores ``t`` as the square of a tensor already handled, if it is
+        one (``t`` may be a view of the square's result)."""
+        result = t._base if t._base is not None else t
+        edge = squared_input(result.grad_fn)
+        source = self._sources.get(node_key(*edge)) if edge is not None and edge[0] is not None else None
+        handle = source[0]() if source is not None else None
+        if handle is None:
             return None
-        source_view = ViewOf(source_handle, source.shape, source.stride, source.offset - source.stored[1])
-        result = t.as_strided(record.shape, record.stride, record.offset)
+        _, start, shape, stride, offset = source
+        # The square of a contiguous tensor is a new contiguous tensor of its shape.
+        if result.shape != shape or result.storage_offset() != 0 or not result.is_contiguous():
+            return None
+        source_view = ViewOf(handle, shape, stride, offset - start)
         key = (result.dtype, result.device.type)
         if key not in self._recompute_verified:
             # Once per dtype and device: is the recomputed square the forward's, bit for bit?
             recomputed = torch.square(source_view._restore())
             self._recompute_verified[key] = bool(
-                torch.equal(recomputed.view(torch.uint8), result.detach().contiguous().view(torch.uint8))
+                torch.equal(recomputed.view(torch.uint8), result.detach().view(torch.uint8))
             )
-            source_handle._cache = None  # nothing decoded stays alive
+            handle._cache = None  # nothing decoded stays alive
         if not self._recompute_verified[key]:
             return None
-        handle = Recomputed(source_view, torch.square, result, record.offset)
-        self._remember(result, handle)
-        return handle, record.offset
+        recomputed_handle = Recomputed(source_view, torch.square, result, 0)
+        self._remember(result, recomputed_handle)
+        return recomputed_handle, 0
 
     @staticmethod
     def _slot(handle: Handle, start: int, t: torch.Tensor) -> Handle:
@@ -382,13 +410,15 @@ class Session:
         self._step += 1
         self._collector = _StepCollector(self._step)
         self._stored.clear()
+        self._sources.clear()
 
     def _released(self) -> None:
         with self._lock:
             self._live -= 1
             if self._live == 0:
                 self._stored.clear()
-                self.tracker.clear()
+                self._sources.clear()
+                self.marks.clear()
 
     def stats(self) -> Stats:
         with self._lock:
@@ -443,7 +473,8 @@ def _confirmation(handle_ref, collector, *, capacity, fixed_bytes, dense_bytes, 
         collector.stats.stored_bytes += stored
         if not fits:
             collector.fallbacks["arena_full"] += 1
-        if site is not None and dense_bytes < PROFITABLE_RATIO * stored:
+        # An overflow says nothing about whether the site pays.
+        if site is not None and fits and dense_bytes < PROFITABLE_RATIO * stored:
             unprofitable.add(site)
         handle = handle_ref()
         if handle is not None:

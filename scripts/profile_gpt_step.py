@@ -1,73 +1,152 @@
-"""Where does a BitSparse GPT step spend host time? cProfile of steps at T=12000 on CUDA.
+"""Where does a BitSparse GPT step lose time? Variants of one step at T=12000 on CUDA.
 
-The step of docs/benchmarks.md is host-bound in its forward, so host time BitSparse adds
-there lengthens the step one for one; this prints where that time goes.
+Prints, per variant, the median GPU step time over interleaved repeats (CUDA events), the
+host time until backward returns and until the forward returns, the peak memory per token
+and the window waits; then a
+kernel table from torch.profiler for dense and bitsparse, and the host time of BitSparse's
+stages (pack, store, compress, launch, confirm, ...). Usage: python scripts/profile_gpt_step.py [--out DIR] [--length T]
 """
 
-import cProfile
+import argparse
+import contextlib
+import functools
 import os
-import pstats
 import statistics
 import time
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-import torch  # noqa: E402
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-import bitsparse  # noqa: E402
-from bitsparse.bench.models import GPT, GPTConfig, shift_to_sparsity  # noqa: E402
+import bitsparse
+from bitsparse.allocator import Arena
+from bitsparse.bench.models import GPT, GPTConfig, shift_to_sparsity
+from bitsparse.codecs import triton_codec
+from bitsparse.hooks import handles, manager
+
+VARIANTS = {
+    "dense": lambda: contextlib.nullcontext(),
+    "identity hooks": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+    "bitsparse, nothing stored": lambda: bitsparse.compressing(min_numel=1 << 62),
+    "bitsparse": lambda: bitsparse.compressing(),
+    "bitsparse 15-bit": lambda: bitsparse.compressing(sign_pack=True),
+}
+"""The BitSparse variants share their arena options, so that none reallocates the arena."""
+STAGES = [
+    (manager.Session, "pack"),
+    (manager.Session, "unpack"),
+    (manager.Session, "_store"),
+    (manager.Session, "_recompute"),
+    (manager.Session, "_find_stored"),
+    (manager.Session, "_poll"),
+    (manager, "compress"),
+    (handles, "decompress"),
+    (triton_codec, "encode"),
+    (triton_codec, "decode"),
+    (Arena, "submit"),
+    (Arena, "reserve_fixed"),
+    (Arena, "open_lease"),
+    (handles.Recomputed, "_restore"),
+]
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--length", type=int, default=12000)
+    parser.add_argument("--repeats", type=int, default=8)
+    args = parser.parse_args()
     torch.manual_seed(0)
     config = GPTConfig()
     model = GPT(config).cuda().to(torch.bfloat16)
-    tokens = torch.randint(config.vocab, (1, 12000), device="cuda")
+    tokens = torch.randint(config.vocab, (1, args.length), device="cuda")
 
     def loss_fn():
         return model(tokens, tokens)
 
     shift_to_sparsity(model, loss_fn, 0.9)
 
-    def step(compressed: bool) -> None:
-        if compressed:
-            with bitsparse.compressing():
-                loss = loss_fn()
-        else:
+    def step(variant: str) -> None:
+        with VARIANTS[variant]():
             loss = loss_fn()
         loss.backward()
 
-    for _ in range(4):
-        step(False)
-        step(True)
-    for compressed in (False, True):
-        forward, whole = [], []
-        for _ in range(5):
+    for _ in range(3):
+        for variant in VARIANTS:
+            step(variant)
+    gpu, host, forward, memory, waits = ({v: [] for v in VARIANTS} for _ in range(5))
+    for _ in range(args.repeats):
+        for variant, context in VARIANTS.items():
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            start, end = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
             t0 = time.perf_counter()
-            step(compressed)
-            whole.append(time.perf_counter() - t0)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            with bitsparse.compressing() if compressed else torch.enable_grad():
+            start.record()
+            with context():
                 loss = loss_fn()
-            forward.append(time.perf_counter() - t0)
+            forward[variant].append(1000 * (time.perf_counter() - t0))
             loss.backward()
+            end.record()
+            host[variant].append(1000 * (time.perf_counter() - t0))
+            end.synchronize()
+            gpu[variant].append(start.elapsed_time(end))
+            memory[variant].append(torch.cuda.max_memory_allocated() - base)
+            if variant.startswith("bitsparse"):
+                stats = bitsparse.stats()
+                waits[variant].append(stats.window_waits)
+                memory[variant][-1] += stats.arena_capacity
+    dense_ms = statistics.median(gpu["dense"])
+    print(f"T={args.length}, {args.repeats} interleaved repeats")
+    print(f"{'variant':<28}{'step ms':>9}{'vs dense':>10}{'host ms':>9}{'MiB/token':>11}{'waits':>7}")
+    for variant in VARIANTS:
+        ms = statistics.median(gpu[variant])
         print(
-            f"{'bitsparse' if compressed else 'dense':<10} host ms: forward enqueue "
-            f"{1000 * statistics.median(forward):.1f}, step until backward returns "
-            f"{1000 * statistics.median(whole):.1f}"
+            f"{variant:<28}{ms:>9.2f}{100 * (ms / dense_ms - 1):>+9.1f}%{statistics.median(host[variant]):>9.1f}"
+            f"{statistics.median(forward[variant]):>9.1f}"
+            f"{max(memory[variant]) / 2**20 / args.length:>11.4f}"
+            f"{statistics.median(waits[variant]) if waits[variant] else 0:>7}"
         )
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(5):
-        step(True)
+
+    for variant in ("dense", "bitsparse"):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step(variant)
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(os.path.join(args.out, f"trace-{variant}.json"))
+        print(f"\n== {variant}: kernels by GPU time")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+
+    # Host time of BitSparse's stages, by wrapping them with timers (nested stages overlap).
+    totals: dict[str, list] = {}
+    for owner, name in STAGES:
+        label = f"{owner.__name__.rsplit('.', 1)[-1]}.{name}"
+        setattr(owner, name, _timed(getattr(owner, name), label, totals))
+    steps = 5
+    for _ in range(steps):
+        step("bitsparse")
     torch.cuda.synchronize()
-    profiler.disable()
-    stats = pstats.Stats(profiler)
-    stats.sort_stats("tottime").print_stats(25)
-    # The host time BitSparse adds, by function (its own code and Triton's launcher).
-    stats.sort_stats("cumulative").print_stats("bitsparse|allocator|hooks|triton/runtime", 30)
+    print(f"\n== host time of BitSparse's stages, per step of {steps}")
+    print(f"{'stage':<32}{'calls':>7}{'ms':>9}{'us/call':>9}")
+    for stage, (calls, seconds) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+        print(f"{stage:<32}{calls // steps:>7}{1000 * seconds / steps:>9.2f}{1e6 * seconds / calls:>9.1f}")
+
+
+def _timed(fn, label: str, totals: dict):
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            entry = totals.setdefault(label, [0, 0.0])
+            entry[0] += 1
+            entry[1] += time.perf_counter() - t0
+
+    return timed
 
 
 if __name__ == "__main__":

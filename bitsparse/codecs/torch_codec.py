@@ -62,6 +62,7 @@ def encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_p
     if num_tiles == 0:
         return
     device = bits.device
+    bits = bits.reshape(-1)
     padded = torch.zeros(num_tiles * tile, dtype=torch.int64, device=device)
     padded[: bits.numel()] = unsigned(bits, spec.bits)
     padded = padded.view(num_tiles, tile)

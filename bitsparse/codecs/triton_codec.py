@@ -19,6 +19,7 @@ instruction, so a SWAR popcount is compiled in instead of ``libdevice.popc``.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import triton
@@ -209,6 +210,22 @@ def check_device(device: torch.device) -> None:
     )
 
 
+_typed_views: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _typed(stream: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``stream.view(dtype)``, made once per stream and dtype (a launch is mostly host time)."""
+    entry = _typed_views.get(id(stream))
+    if entry is None or entry[0]() is not stream:
+        entry = _typed_views[id(stream)] = (weakref.ref(stream), {})
+        weakref.finalize(stream, _typed_views.pop, id(stream), None)
+    views = entry[1]
+    view = views.get(dtype)
+    if view is None:
+        view = views[dtype] = stream.view(dtype)
+    return view
+
+
 @functools.lru_cache(maxsize=None)
 def _encode_programs(device: torch.device) -> int:
     if INTERPRETED:
@@ -223,7 +240,7 @@ def encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_p
     # Only sign packing needs a persistent grid (for its per-program scratch); without it one
     # program per tile measured faster (docs/benchmarks.md).
     programs = min(num_tiles, _encode_programs(bits.device)) if sign_pack else num_tiles
-    scratch = torch.empty(programs * tile if sign_pack else 1, dtype=bits.dtype, device=bits.device)
+    scratch = torch.empty(programs * tile, dtype=bits.dtype, device=bits.device) if sign_pack else bits
     packed_words = triton.next_power_of_2(-(-tile * spec.packed_bits // WORD_BITS))
     _encode_kernel[(programs,)](
         bits,
@@ -231,7 +248,7 @@ def encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_p
         masks,
         tile_words,
         stream,
-        stream.view(bits.dtype),
+        _typed(stream, bits.dtype),
         cursor,
         base,
         stream.numel() - 1,
@@ -258,7 +275,7 @@ def decode(masks, tile_words, stream, base, out, spec, geometry, sign_pack):
         masks,
         tile_words,
         stream,
-        stream.view(out.dtype),
+        _typed(stream, out.dtype),
         base,
         out,
         out.numel(),

@@ -1,0 +1,79 @@
+"""Host cost of the operations a stored tensor needs, on CUDA: aten views and copies, events,
+and Triton launches (through JITFunction and through the compiled kernel directly); and
+whether a Triton kernel can write a pinned host tensor (zero-copy)."""
+
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+from bitsparse import compress, decompress
+from bitsparse.codecs import triton_codec
+from bitsparse.format import TileGeometry, dtype_spec
+
+
+@triton.jit
+def _write_kernel(out_ptr, value):
+    tl.store(out_ptr, value)
+
+
+def per_call_us(fn, n=2000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / n
+
+
+def main():
+    x = torch.rand(12000 * 3072, device="cuda", dtype=torch.bfloat16)
+    c = compress(x)
+    spec = dtype_spec(torch.bfloat16)
+    geometry = TileGeometry()
+    out = torch.empty(x.numel(), dtype=torch.int16, device="cuda")
+    cursor = torch.zeros(1, dtype=torch.int64, device="cuda")
+    pinned = torch.zeros(8, dtype=torch.int64, pin_memory=True)
+    buffer = torch.empty(1 << 20, dtype=torch.int32, device="cuda")
+    event = torch.cuda.Event()
+    event.record()
+    costs = {
+        "x.view(-1)": lambda: x.view(-1),
+        "buffer[a:b]": lambda: buffer[100:200],
+        "x.detach()": lambda: x.detach(),
+        "x.permute(0)": lambda: x.permute(0),
+        "cursor.clone()": lambda: cursor.clone(),
+        "torch.empty(1)": lambda: torch.empty(1, device="cuda"),
+        "pinned[1:2].copy_(cursor)": lambda: pinned[1:2].copy_(cursor, non_blocking=True),
+        "Event() + record()": lambda: torch.cuda.Event().record(),
+        "event.query()": event.query,
+        "triton: 2-arg kernel": lambda: _write_kernel[(1,)](cursor, 3),
+        "triton_codec.decode": lambda: triton_codec.decode(
+            c.masks, c.tile_words, c.values.words, c.base, out, spec, geometry, False
+        ),
+        "decompress": lambda: decompress(c),
+        "compress": lambda: compress(x),
+    }
+    compiled = _write_kernel[(1,)](cursor, 3)
+    stream = torch.cuda.current_stream().cuda_stream
+    costs["compiled 2-arg kernel .run"] = lambda: compiled.run(
+        1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, cursor, 3
+    )
+    print(f"{'operation':<32}{'us/call':>9}")
+    for name, fn in costs.items():
+        n = 200 if name in ("compress", "decompress") else 2000
+        print(f"{name:<32}{per_call_us(fn, n):>9.1f}")
+    try:
+        _write_kernel[(1,)](pinned[3:], 1234567)
+        torch.cuda.synchronize()
+        print("zero-copy write to pinned memory:", "works" if int(pinned[3]) == 1234567 else f"wrong {pinned}")
+    except Exception as e:  # noqa: BLE001
+        print("zero-copy write to pinned memory failed:", type(e).__name__, e)
+
+
+if __name__ == "__main__":
+    main()

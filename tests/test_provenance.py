@@ -1,0 +1,184 @@
+"""Detection from the autograd graph: which saved tensors count as ReLU-family, which are hidden
+behind CopySlices, which are not; and the save sites learned from hidden tensors that do not pay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import bitsparse
+from bitsparse import training
+from bitsparse.hooks.provenance import Provenance, classify_node, node_key, squared_input
+from test_hooks import MIN_NUMEL, assert_same_grads, clean_session, train_step  # noqa: F401
+
+RELU, HIDDEN = Provenance.RELU, Provenance.HIDDEN
+
+
+def _on_view(op):
+    """``op`` applied in place to a view of a Linear's output, as in ``fc(x).relu_()``."""
+    fc = nn.Linear(4, 8)
+    return lambda x: op(fc(x.view(2, 3, 4)))
+
+
+CASES = {
+    "relu": (F.relu, RELU),
+    "relu_": (lambda x: x.clone().relu_(), RELU),
+    "nn.ReLU(inplace)": (lambda x: nn.ReLU(inplace=True)(x * 1), RELU),
+    "relu6": (F.relu6, RELU),
+    "hardtanh(0, 2)": (lambda x: F.hardtanh(x, 0.0, 2.0), RELU),
+    "hardtanh(-1, 1)": (F.hardtanh, None),
+    "clamp(min=0)": (lambda x: x.clamp(min=0), RELU),
+    "clip(0, 1)": (lambda x: x.clip(0, 1), RELU),
+    "clamp_min(0.5)": (lambda x: x.clamp_min(0.5), RELU),
+    "clamp(min=-1)": (lambda x: x.clamp(min=-1), None),
+    "clamp(max=1)": (lambda x: x.clamp(max=1), None),
+    "clamp(min=tensor)": (lambda x: x.clamp(min=torch.zeros(())), None),
+    "threshold": (lambda x: F.threshold(x, 0.0, 0.0), HIDDEN),  # its node drops the value
+    "relu().square()": (lambda x: F.relu(x).square(), RELU),
+    "relu() ** 2": (lambda x: F.relu(x) ** 2, RELU),
+    "relu() ** 3": (lambda x: F.relu(x) ** 3, None),
+    "relu() * relu()": (lambda x: (lambda h: h * h)(F.relu(x)), RELU),
+    "relu(x) * relu(y)": (lambda x: F.relu(x) * F.relu(x * 2), None),
+    "relu().t()": (lambda x: F.relu(x).t(), RELU),
+    "relu()[1:]": (lambda x: F.relu(x)[1:], RELU),
+    "relu().view(-1)": (lambda x: F.relu(x).view(-1), RELU),
+    "relu().to(bf16)": (lambda x: F.relu(x).to(torch.bfloat16), RELU),
+    "relu_ on a view": (_on_view(lambda y: y.relu_()), HIDDEN),
+    "relu_ on a view, squared, viewed": (_on_view(lambda y: (y.relu_() ** 2).view(6, 8)), HIDDEN),
+    "sigmoid_ on a view": (_on_view(lambda y: y.sigmoid_()), HIDDEN),
+    "exp": (torch.exp, None),
+    "leaky_relu": (F.leaky_relu, None),
+    "relu() + 1": (lambda x: F.relu(x) + 1, None),
+    "leaf": (lambda x: x, None),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_classification(name):
+    op, expected = CASES[name]
+    x = torch.randn(6, 4, requires_grad=True)
+    y = op(x)
+    assert classify_node(y.grad_fn) == expected
+
+
+def test_classification_never_reads_saved_tensors():
+    """Reading a node's saved tensor would run the unpack hook (and decode)."""
+    unpacked = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: unpacked.append(t) or t):
+        y = F.relu(torch.randn(5, requires_grad=True)).square().view(5, 1)
+    assert classify_node(y.grad_fn) == RELU
+    assert squared_input(y.grad_fn.next_functions[0][0]) is not None
+    assert unpacked == []
+
+
+def test_node_keys_tell_outputs_and_threads_apart():
+    import threading
+
+    x = torch.randn(4, 2, requires_grad=True)
+    a, b = x.unbind(1)
+    assert node_key(a.grad_fn, a.output_nr) != node_key(b.grad_fn, b.output_nr)
+    assert node_key(a.grad_fn, 0) == node_key(a.grad_fn, 0)
+    keys = []
+    thread = threading.Thread(target=lambda: keys.append(node_key(a.grad_fn, 0)))
+    thread.start()
+    thread.join()
+    assert keys[0] != node_key(a.grad_fn, 0)
+
+
+class HiddenOnView(nn.Module):
+    """``fc(x).<op>_()`` on the 3-D output of a Linear with bias: CopySlices hides the op."""
+
+    def __init__(self, op: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.op = op
+        self.fc, self.out = nn.Linear(32, 256), nn.Linear(256, 8)
+
+    def forward(self, x):
+        h = getattr(self.fc(x), self.op)()
+        return self.out(h)
+
+
+def test_a_hidden_relu_is_compressed_every_step():
+    model, x = HiddenOnView("relu_"), torch.randn(4, 16, 32, requires_grad=True)
+    expected = train_step(model, x, contextlib.nullcontext())
+    for _ in range(3):
+        got = train_step(model, x, bitsparse.compressing(min_numel=MIN_NUMEL))
+        assert_same_grads(got, expected)
+        s = bitsparse.stats()
+        assert s.tensors_compressed == 1 and "unprofitable_site" not in s.tensors_skipped
+
+
+def test_a_hidden_site_that_does_not_pay_is_tried_once():
+    model, x = HiddenOnView("sigmoid_"), torch.randn(4, 16, 32, requires_grad=True)
+    expected = train_step(model, x, contextlib.nullcontext())
+    compressed = []
+    for _ in range(3):
+        got = train_step(model, x, bitsparse.compressing(min_numel=MIN_NUMEL))
+        assert_same_grads(got, expected)
+        s = bitsparse.stats()
+        compressed.append(s.tensors_compressed)
+    assert compressed == [1, 0, 0]
+    # Both saves of the tensor (sigmoid_'s result and the Linear's input view) share a site.
+    assert s.tensors_skipped["unprofitable_site"] == 2
+
+
+def test_an_overflow_does_not_teach_that_a_site_does_not_pay():
+    model, x = HiddenOnView("relu_"), torch.randn(4, 16, 32, requires_grad=True)
+    expected = train_step(model, x, contextlib.nullcontext())
+    steps = []
+    for _ in range(2):
+        # The arena starts too small for the values; it grows after the first step.
+        got = train_step(model, x, bitsparse.compressing(min_numel=MIN_NUMEL, capacity=16 << 10))
+        assert_same_grads(got, expected)
+        steps.append(bitsparse.stats())
+    assert steps[0].fallbacks == {"arena_full": 1}
+    assert steps[1].fallbacks == {} and steps[1].tensors_compressed == 1
+    assert "unprofitable_site" not in steps[1].tensors_skipped
+
+
+def test_squares_written_as_products_are_recomputed():
+    torch.manual_seed(0)
+    fc, out = nn.Linear(32, 256), nn.Linear(256, 8)
+    x = torch.randn(64, 32, requires_grad=True)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.out = fc, out
+
+        def forward(self, x):
+            h = F.relu(self.fc(x))
+            return self.out(h * h)
+
+    model = Model()
+    expected = train_step(model, x, contextlib.nullcontext())
+    got = train_step(model, x, bitsparse.compressing(min_numel=MIN_NUMEL))
+    assert_same_grads(got, expected)
+    s = bitsparse.stats()
+    assert (s.tensors_compressed, s.tensors_recomputed) == (1, 1)
+
+
+def test_the_square_of_another_tensor_is_not_recomputed_from_a_stored_one():
+    """``relu(a) * relu(a)`` once, then ``relu(b) ** 2``: each square finds its own source."""
+    torch.manual_seed(0)
+    a = torch.randn(64, 256, requires_grad=True)
+    b = torch.randn(64, 256, requires_grad=True)
+
+    def run(ctx):
+        for t in (a, b):
+            t.grad = None
+        with ctx:
+            ha, hb = F.relu(a), F.relu(b)
+            loss = (ha.square() * 3).sum() + (hb**2).sum() + (ha.square() @ hb.t()).sum()
+        loss.backward()
+        return [a.grad.clone(), b.grad.clone()]
+
+    expected = run(contextlib.nullcontext())
+    assert_same_grads(run(bitsparse.compressing(min_numel=MIN_NUMEL)), expected)
+    assert training._session._live == 0
