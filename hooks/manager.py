@@ -45,7 +45,10 @@ class Options:
         select: "relu" compresses tensors that ReLU-family ops produced (and their squares);
             "all" tries every floating tensor and stops trying save sites that do not pay.
         backend: codec backend, as for ``compress`` (None: Triton on CUDA, torch elsewhere).
-        window: most compressed tensors whose fit the host has not confirmed yet.
+        window: most compressed tensors whose fit the host has not confirmed yet. Each one
+            keeps its dense tensor until confirmed, so a GPU-bound step, where the host runs
+            ahead, holds ``window`` dense tensors at its peak; a larger window only helps a
+            host that runs ahead in bursts.
         recompute_squares: restore ``relu(x) ** 2`` from the stored ``relu(x)`` rather than
             storing it too, where that is verified bit-identical for the dtype and device.
     """
@@ -55,7 +58,7 @@ class Options:
     min_numel: int = 1 << 16
     select: str = "relu"
     backend: str | None = None
-    window: int = 4
+    window: int = 1
     recompute_squares: bool = True
 
     def __post_init__(self):

@@ -5,18 +5,23 @@ behind CopySlices, which are not; and the save sites learned from hidden tensors
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from test_hooks import MIN_NUMEL, assert_same_grads, clean_session, train_step  # noqa: F401 (autouse fixture)
 
 import bitsparse
 from bitsparse import training
 from bitsparse.hooks.provenance import Provenance, classify_node, node_key, squared_input
-from test_hooks import MIN_NUMEL, assert_same_grads, clean_session, train_step  # noqa: F401
 
 RELU, HIDDEN = Provenance.RELU, Provenance.HIDDEN
+
+
+def _times_itself(h):
+    return h * h
 
 
 def _on_view(op):
@@ -42,7 +47,7 @@ CASES = {
     "relu().square()": (lambda x: F.relu(x).square(), RELU),
     "relu() ** 2": (lambda x: F.relu(x) ** 2, RELU),
     "relu() ** 3": (lambda x: F.relu(x) ** 3, None),
-    "relu() * relu()": (lambda x: (lambda h: h * h)(F.relu(x)), RELU),
+    "relu() * relu()": (lambda x: _times_itself(F.relu(x)), RELU),
     "relu(x) * relu(y)": (lambda x: F.relu(x) * F.relu(x * 2), None),
     "relu().t()": (lambda x: F.relu(x).t(), RELU),
     "relu()[1:]": (lambda x: F.relu(x)[1:], RELU),
@@ -77,8 +82,6 @@ def test_classification_never_reads_saved_tensors():
 
 
 def test_node_keys_tell_outputs_and_threads_apart():
-    import threading
-
     x = torch.randn(4, 2, requires_grad=True)
     a, b = x.unbind(1)
     assert node_key(a.grad_fn, a.output_nr) != node_key(b.grad_fn, b.output_nr)
