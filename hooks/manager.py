@@ -188,8 +188,8 @@ class Session:
         self._step = 0
         self._collector = _StepCollector(0)
         self._stored: dict[tuple[int, int], list] = {}
-        # node_key(grad_fn, output_nr) -> (handle ref, start, shape, stride, offset) of the
-        # last contiguous tensor with that autograd identity: where a square finds its source.
+        # node_key(grad_fn, output_nr) -> (handle ref, start, shape, stride, offset): see
+        # _note_source.
         self._sources: dict[tuple, tuple] = {}
         self._unprofitable: set = set()
         self._recompute_verified: dict[tuple, bool] = {}
@@ -237,15 +237,11 @@ class Session:
                     sign_pack=options.sign_pack and provenance is not None,
                     learn_site=provenance is not Provenance.RELU,
                 )
-                found = (handle, t.storage_offset())
-                slot = handle
-                slot.slots += 1  # it restores t itself, whatever t's strides
+                handle.slots += 1  # it restores t itself, whatever t's strides
+                found, slot = (handle, t.storage_offset()), handle
             else:
                 slot = self._slot(*found, t)
-            if t.grad_fn is not None and t.is_contiguous():
-                handle, start = found
-                key = node_key(t.grad_fn, t.output_nr)
-                self._sources[key] = (weakref.ref(handle), start, t.shape, t.stride(), t.storage_offset())
+            self._note_source(t, *found)
             return slot
 
     def unpack(self, packed) -> torch.Tensor:
@@ -294,9 +290,9 @@ class Session:
         return arena
 
     def _store(self, t: torch.Tensor, order, options: Options, sign_pack: bool, learn_site: bool) -> StoredTensor:
-        """Compress ``t`` (permuted to ``order``, see ``memory_order``) into the device's arena (or keep ``t`` dense when the
-        arena is full). With ``learn_site``, a save site whose tensors do not pay is skipped
-        from then on.
+        """Compress ``t`` (permuted to ``order``, see ``memory_order``) into the device's
+        arena, or keep it dense when the arena is full. With ``learn_site``, a save site
+        whose tensors do not pay is skipped from then on.
 
         Either way the handle holds a lease, so the step lasts as long as autograd holds it.
         """
@@ -389,6 +385,14 @@ class Session:
         recomputed_handle = Recomputed(source_view, torch.square, result, 0)
         self._remember(result, recomputed_handle)
         return recomputed_handle, 0
+
+    def _note_source(self, t: torch.Tensor, handle: Handle, start: int) -> None:
+        """Note that ``handle`` (restoring storage from ``start``) restores ``t``, under
+        ``t``'s autograd identity, for a square of ``t`` to find (last write wins: a tensor
+        modified in place is packed again before it is squared)."""
+        if t.grad_fn is not None and t.is_contiguous():
+            key = node_key(t.grad_fn, t.output_nr)
+            self._sources[key] = (weakref.ref(handle), start, t.shape, t.stride(), t.storage_offset())
 
     @staticmethod
     def _slot(handle: Handle, start: int, t: torch.Tensor) -> Handle:

@@ -4,12 +4,13 @@ A pack hook sees the saved tensor with its ``grad_fn``: ReLU's saved result show
 ``ReluBackward0``, a square shows ``PowBackward0`` (exponent 2) or ``MulBackward0`` with the
 same input twice, and views show view nodes whose input leads to the producer. Reading that
 costs a few attribute lookups per saved tensor and nothing per op (a ``TorchFunctionMode``
-watching every op roughly doubled the host time of a GPT forward).
+watching every op made the GPT step of docs/benchmarks.md 15% slower with nothing stored).
 
 One common case is hidden: an in-place op on a view (``fc(x).relu_()`` where ``fc`` returns
 a view of its 2-D product) appears as ``AsStridedBackward0`` -> ``CopySlices``, which wraps
-the op's node out of Python's sight. Such tensors are ``HIDDEN``: worth trying, and the
-caller keeps compressing a save site only while it pays. ``mark()`` flags any other tensor.
+the op's node out of Python's sight; ``threshold``'s node does not keep its value either.
+Such tensors are ``HIDDEN``: worth trying, and the caller keeps compressing a save site only
+while it pays. ``mark()`` flags any other tensor.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class Provenance(enum.Enum):
     RELU = "relu"
     """The producing node guarantees ReLU-family values (or the tensor was marked)."""
     HIDDEN = "hidden"
-    """Produced by an in-place op on a view, which autograd hides: possibly ReLU-family."""
+    """Possibly ReLU-family: an in-place op on a view (hidden by CopySlices), or threshold."""
 
 
 # Nodes whose output holds (a subset of) their input's values, unchanged.
