@@ -42,8 +42,10 @@ class Options:
             steps to fit what the last step needed.
         sign_pack: drop the sign bit of ReLU-family values (never lossy: see ``compress``).
         min_numel: tensors with fewer elements are kept as they are.
-        select: "relu" compresses tensors that ReLU-family ops produced (and their squares);
-            "all" tries every floating tensor and stops trying save sites that do not pay.
+        select: "relu" compresses tensors that ReLU-family ops produced (and their squares),
+            read from ``grad_fn``, and tries those whose op autograd hides (in-place ops on
+            views, threshold) while their save site pays; "all" tries every floating tensor
+            and stops trying save sites that do not pay.
         backend: codec backend, as for ``compress`` (None: Triton on CUDA, torch elsewhere).
         window: most compressed tensors whose fit the host has not confirmed yet. Each one
             keeps its dense tensor until confirmed, so a GPU-bound step, where the host runs
