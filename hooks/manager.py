@@ -201,12 +201,14 @@ class Session:
     def pack(self, t: torch.Tensor, options: Options):
         # Most saved tensors are skipped: decide that first, cheaply.
         reason = self._skip_reason(t, options)
-        provenance = order = None
+        provenance = order = site = None
         if reason is None:
             provenance = self._provenance(t)
+            # Tensors not proven ReLU-family are compressed only while their site pays.
+            site = self._site(t) if provenance is not Provenance.RELU else None
             if provenance is None and options.select == "relu":
                 reason = "not_relu_family"
-            elif provenance is not Provenance.RELU and self._site(t) in self._unprofitable:
+            elif site in self._unprofitable:
                 reason = "unprofitable_site"
             else:
                 # Compressed in memory order, the tensor is restored with its own strides
@@ -237,7 +239,7 @@ class Session:
                     order,
                     options,
                     sign_pack=options.sign_pack and provenance is not None,
-                    learn_site=provenance is not Provenance.RELU,
+                    site=site,
                 )
                 handle.slots += 1  # it restores t itself, whatever t's strides
                 found, slot = (handle, t.storage_offset()), handle
@@ -291,10 +293,10 @@ class Session:
             self._arenas[device] = (arena, configured)
         return arena
 
-    def _store(self, t: torch.Tensor, order, options: Options, sign_pack: bool, learn_site: bool) -> StoredTensor:
+    def _store(self, t: torch.Tensor, order, options: Options, sign_pack: bool, site) -> StoredTensor:
         """Compress ``t`` (permuted to ``order``, see ``memory_order``) into the device's
-        arena, or keep it dense when the arena is full. With ``learn_site``, a save site
-        whose tensors do not pay is skipped from then on.
+        arena, or keep it dense when the arena is full. If ``site`` is given and the tensor
+        does not pay, the site is skipped from then on.
 
         Either way the handle holds a lease, so the step lasts as long as autograd holds it.
         """
@@ -334,7 +336,7 @@ class Session:
                 capacity=arena.values.capacity,
                 fixed_bytes=fixed.numel() * 4,
                 dense_bytes=compressed.dense_nbytes,
-                site=self._site(t) if learn_site else None,
+                site=site,
                 unprofitable=self._unprofitable,
             )
         )

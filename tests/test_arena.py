@@ -321,6 +321,13 @@ def test_compressed_tensors_of_a_step_survive_until_its_end():
 # Growing and shrinking between steps
 
 
+def assert_all_fit_exactly(compressed, tensors) -> None:
+    """Every tensor's values were written, and it decodes to the original bit for bit."""
+    assert all(c.fits() for c in compressed)
+    for c, x in zip(compressed, tensors):
+        assert_bitwise_equal(decompress(c, backend="torch"), x)
+
+
 def run_step(arena: Arena, tensors=(), extra_fixed_words: int = 0) -> ArenaUsage:
     """One step: a lease, reservations and compressions, then the lease released."""
     lease = arena.open_lease()
@@ -347,10 +354,7 @@ def test_values_grow_after_an_overflow():
     assert int(arena.values.cursor) == 0
     # Now everything of that size fits.
     store = Store(arena)
-    compressed = [store(x) for x in tensors]
-    assert all(c.fits() for c in compressed)
-    for c, x in zip(compressed, tensors):
-        assert_bitwise_equal(decompress(c, backend="torch"), x)
+    assert_all_fit_exactly([store(x) for x in tensors], tensors)
 
 
 def test_values_grow_at_91_percent_without_overflow():
@@ -413,10 +417,7 @@ def test_shrinks_when_demand_is_under_half():
     assert HEADROOM * values_words <= arena.values.capacity < 196607
     # A shrunk arena is big enough for the same step again, without growing.
     store = Store(arena)
-    compressed = [store(x) for x in tensors]
-    assert all(c.fits() for c in compressed)
-    for c, x in zip(compressed, tensors):
-        assert_bitwise_equal(decompress(c, backend="torch"), x)
+    assert_all_fit_exactly([store(x) for x in tensors], tensors)
 
 
 def test_resized_regions_are_exactly_demand_times_headroom():
@@ -469,6 +470,4 @@ def test_growth_keeps_the_last_report_chain_per_step():
     store = Store(arena)
     compressed = [store(x) for x in tensors]
     assert store.reports == [(0, 2048), (2048, 2048)]
-    assert all(c.fits() for c in compressed)
-    for c, x in zip(compressed, tensors):
-        assert_bitwise_equal(decompress(c, backend="torch"), x)
+    assert_all_fit_exactly(compressed, tensors)

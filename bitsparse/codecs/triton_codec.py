@@ -19,7 +19,6 @@ instruction, so a SWAR popcount is compiled in instead of ``libdevice.popc``.
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 import triton
@@ -210,22 +209,6 @@ def check_device(device: torch.device) -> None:
     )
 
 
-_typed_views: dict[int, tuple[weakref.ref, dict]] = {}
-
-
-def _typed(stream: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``stream.view(dtype)``, made once per stream and dtype (a launch is mostly host time)."""
-    entry = _typed_views.get(id(stream))
-    if entry is None or entry[0]() is not stream:
-        entry = _typed_views[id(stream)] = (weakref.ref(stream), {})
-        weakref.finalize(stream, _typed_views.pop, id(stream), None)
-    views = entry[1]
-    view = views.get(dtype)
-    if view is None:
-        view = views[dtype] = stream.view(dtype)
-    return view
-
-
 @functools.lru_cache(maxsize=None)
 def _encode_programs(device: torch.device) -> int:
     if INTERPRETED:
@@ -248,7 +231,7 @@ def encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_p
         masks,
         tile_words,
         stream,
-        _typed(stream, bits.dtype),
+        stream.view(bits.dtype),
         cursor,
         base,
         stream.numel() - 1,
@@ -275,7 +258,7 @@ def decode(masks, tile_words, stream, base, out, spec, geometry, sign_pack):
         masks,
         tile_words,
         stream,
-        _typed(stream, out.dtype),
+        stream.view(out.dtype),
         base,
         out,
         out.numel(),
