@@ -1,7 +1,8 @@
 """Models the benchmarks train: a GPT in the style of Modded-NanoGPT and a residual MLP stack.
 
 Both are written in plain PyTorch, with the ReLU^2 MLP as ``fc(x).relu_().square()``, so
-BitSparse sees them exactly as it would see a user's model.
+BitSparse sees them exactly as it would see a user's model. The GPT's loss is fused (see
+``bitsparse.bench.cross_entropy``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from bitsparse.bench.cross_entropy import linear_cross_entropy
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
@@ -48,13 +51,15 @@ class Attention(nn.Module):
     def __init__(self, dim: int, heads: int, head_dim: int, qk_norm: bool):
         super().__init__()
         self.heads, self.head_dim, self.qk_norm = heads, head_dim, qk_norm
-        self.qkv = nn.Linear(dim, 3 * heads * head_dim, bias=False)
+        # Separate projections, as in Modded-NanoGPT: attention saves v, and a view of a
+        # fused qkv product would keep all three alive.
+        self.q, self.k, self.v = (nn.Linear(dim, heads * head_dim, bias=False) for _ in range(3))
         self.out = nn.Linear(heads * head_dim, dim, bias=False)
         self.rotary = Rotary(head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, self.head_dim).unbind(2)
+        q, k, v = (proj(x).view(b, t, self.heads, self.head_dim) for proj in (self.q, self.k, self.v))
         if self.qk_norm:
             q, k = rms_norm(q), rms_norm(k)
         q, k = self.rotary(q), self.rotary(k)
@@ -99,8 +104,8 @@ class GPT(nn.Module):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(rms_norm(x))
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        hidden = rms_norm(x)
+        return linear_cross_entropy(hidden.view(-1, hidden.shape[-1]), self.head.weight, targets.reshape(-1))
 
     def mlps(self) -> list[MLP]:
         return [block.mlp for block in self.blocks]

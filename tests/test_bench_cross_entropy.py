@@ -1,0 +1,45 @@
+"""The GPT benchmark's fused loss against ``F.cross_entropy``: both implementations."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bitsparse.bench import cross_entropy
+
+
+def reference(hidden, weight, targets):
+    hidden, weight = (t.detach().clone().requires_grad_() for t in (hidden, weight))
+    loss = F.cross_entropy(hidden @ weight.t(), targets)
+    (3 * loss).backward()
+    return loss, hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("vocab", [100, 5000])
+def test_pytorch_version_matches_cross_entropy(monkeypatch, vocab):
+    monkeypatch.setattr(cross_entropy, "CHUNK_BYTES", 4 * vocab * 7)  # several chunks of 7 rows
+    torch.manual_seed(0)
+    hidden = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(vocab, (50,))
+    loss = cross_entropy.linear_cross_entropy(hidden, weight, targets)
+    loss.backward(torch.tensor(3.0, dtype=torch.float64))
+    expected_loss, expected_hidden_grad, expected_weight_grad = reference(hidden, weight, targets)
+    # The softmax runs in float32.
+    torch.testing.assert_close(loss.double(), expected_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, expected_hidden_grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weight.grad, expected_weight_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [100, 4096, 5000])
+def test_triton_kernel_matches_cross_entropy(vocab):
+    cross_entropy_triton = pytest.importorskip("bitsparse.bench.cross_entropy_triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs it interpreted
+    torch.manual_seed(0)
+    logits = 3 * torch.randn(5, vocab, device=device)
+    targets = torch.randint(vocab, (5,), device=device)
+    gradient, losses = logits.clone(), torch.empty(5, device=device)
+    cross_entropy_triton.loss_and_gradient_in_place(gradient, targets, losses, cross_entropy.BLOCK)
+    expected = logits.clone().requires_grad_()
+    F.cross_entropy(expected, targets).backward()
+    torch.testing.assert_close(losses, F.cross_entropy(logits, targets, reduction="none"))
+    torch.testing.assert_close(gradient, expected.grad)
