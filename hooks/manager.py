@@ -204,11 +204,10 @@ class Session:
         provenance = order = site = None
         if reason is None:
             provenance = self._provenance(t)
-            # Tensors not proven ReLU-family are compressed only while their site pays.
-            site = self._site(t) if provenance is not Provenance.RELU else None
             if provenance is None and options.select == "relu":
                 reason = "not_relu_family"
-            elif site in self._unprofitable:
+            # Tensors not proven ReLU-family are compressed only while their site pays.
+            elif provenance is not Provenance.RELU and (site := self._site(t)) in self._unprofitable:
                 reason = "unprofitable_site"
             else:
                 # Compressed in memory order, the tensor is restored with its own strides

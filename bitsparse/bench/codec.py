@@ -171,20 +171,19 @@ def plot(path: str, rows: list[dict], title: str) -> None:
 
 
 def sweep(args: argparse.Namespace) -> None:
-    """Try the Triton launch parameters on bf16 at 50% zeros and print each configuration."""
+    """Try the Triton launch parameters on bf16 and print each configuration."""
     from bitsparse.codecs import triton_codec
 
     torch.manual_seed(0)
     numel = 1 << args.log2_numel
     copy = copy_gbs(numel, args.reps, "cuda")
-    x = relu_like(numel, 0.5, torch.bfloat16, "cuda")
-    for sign_pack in (False, True):
-        for warps, per_sm in itertools.product((2, 4, 8), (4, 16)):
-            triton_codec.ENCODE_NUM_WARPS = triton_codec.DECODE_NUM_WARPS = warps
-            triton_codec.ENCODE_PROGRAMS_PER_SM = per_sm
-            triton_codec._encode_programs.cache_clear()
+    for zeros, sign_pack in ((0.5, False), (0.9, False), (0.9, True)):
+        x = relu_like(numel, zeros, torch.bfloat16, "cuda")
+        for warps, parts in itertools.product((1, 2, 4), (1, 2, 4)):
+            triton_codec.DECODE_NUM_WARPS = warps
+            triton_codec.DECODE_PARTS = {False: parts, True: parts}
             r = measure(x, sign_pack, "triton", args.reps)
-            print(f"sign_pack={sign_pack!s:<5} warps={warps:<3} programs/SM={per_sm:<3} "
+            print(f"zeros={zeros} sign_pack={sign_pack!s:<5} decode: warps={warps} parts={parts}  "
                   f"encode {100 * r['encode_gbs'] / copy:5.1f}%  decode {100 * r['decode_gbs'] / copy:5.1f}%")
 
 

@@ -9,8 +9,9 @@ grid is persistent, because each program needs a scratch block (it stays in L2):
 tile's values are compacted there first, then each output word is assembled from the at most
 ``floor(31 / b) + 2`` values that overlap it, so every word is written once, whole.
 
-Decoding runs one program per tile: the same rank computation, then a gather (raw values) or
-a two-word funnel shift (packed values) for every set bit, and a dense store of the tile.
+Decoding runs one program per tile (per quarter tile when tiles may be packed): the same
+rank computation, then a gather (raw values) or a two-word funnel shift (packed values) for
+every set bit, and a dense store of the tile.
 
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors; the interpreter has no popcount
 instruction, so a SWAR popcount is compiled in instead of ``libdevice.popc``.
@@ -33,6 +34,8 @@ name = "triton"
 ENCODE_PROGRAMS_PER_SM = 8
 ENCODE_NUM_WARPS = 4
 DECODE_NUM_WARPS = 2
+DECODE_PARTS = {False: 1, True: 4}
+"""Programs per tile, by whether tiles may be sign-packed (measured: docs/benchmarks.md)."""
 INTERPRETER_PROGRAMS = 3  # enough to exercise the persistent loop under the interpreter
 
 
@@ -169,12 +172,15 @@ def _decode_kernel(
     BITS: tl.constexpr,
     MAY_BE_PACKED: tl.constexpr,
     HW_POPC: tl.constexpr,
+    PARTS: tl.constexpr,
 ):
     MASK_WORDS: tl.constexpr = TILE // 32
     VALUES_PER_WORD: tl.constexpr = 32 // BITS
     PACKED_BITS: tl.constexpr = BITS - 1
-    tile = tl.program_id(0)
-    offsets = tl.arange(0, TILE)
+    PART: tl.constexpr = TILE // PARTS
+    # Each program restores one part of a tile: more, smaller programs hide more latency.
+    tile = tl.program_id(0) // PARTS
+    offsets = (tl.program_id(0) % PARTS) * PART + tl.arange(0, PART)
     words = tl.load(masks_ptr + tile * MASK_WORDS + tl.arange(0, MASK_WORDS))
     rank, word, _ = _tile_ranks(words.to(tl.uint32, bitcast=True), offsets, HW_POPC)
     nonzero = ((word >> (offsets % 32).to(tl.uint32)) & 1) != 0
@@ -254,7 +260,8 @@ def decode(masks, tile_words, stream, base, out, spec, geometry, sign_pack):
     num_tiles = masks.shape[0]
     if num_tiles == 0:
         return
-    _decode_kernel[(num_tiles,)](
+    parts = DECODE_PARTS[sign_pack]
+    _decode_kernel[(num_tiles * parts,)](
         masks,
         tile_words,
         stream,
@@ -266,5 +273,6 @@ def decode(masks, tile_words, stream, base, out, spec, geometry, sign_pack):
         BITS=spec.bits,
         MAY_BE_PACKED=sign_pack,
         HW_POPC=not INTERPRETED,
+        PARTS=parts,
         num_warps=DECODE_NUM_WARPS,
     )
