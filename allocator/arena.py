@@ -7,12 +7,13 @@ The buffer is a run of int32 words in two regions:
 * the *value* region receives value streams, appended on the device: kernels advance a
   device-side cursor (see ``bitsparse.ValueBuffer``), so the host never learns sizes in time.
 
-The host learns how far the value cursor went asynchronously: after each append ``submit``
-copies the cursor into pinned host memory and records an event; ``poll`` reads the copies
-whose events have completed, without blocking, and reports each append's end to its
-callback. At most ``window`` appends stay unconfirmed: when one more arrives, the oldest is
-waited for. That wait only happens when the host runs more than ``window`` appends ahead of
-the GPU, so it throttles the host and costs the GPU nothing.
+The host learns how far the value cursor went asynchronously: each append on CUDA gets a
+*report slot* (``next_report``), a word of pinned host memory that its encoder sets to the
+end of the append plus one when it finishes; ``poll`` reads the slots, with no CUDA call and
+without blocking, and reports each append's end to its callback (given to ``submit``). At
+most ``window`` appends stay unconfirmed: when one more arrives, the oldest is waited for.
+That wait only happens when the host runs more than ``window`` appends ahead of the GPU, so
+it throttles the host and costs the GPU nothing.
 
 Leases tie the arena's life cycle to its users: while any lease is open, nothing is
 reused. When the last one is released the step is over: the next ``open_lease`` resets both
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,6 +39,8 @@ GROW_WHEN_ABOVE = 0.9
 """A region is grown when a step used more than this fraction of it."""
 HEADROOM = 1.15
 """A grown region is this much larger than the step's demand."""
+REPORT_TIMEOUT_S = 1.0
+"""How long a wait spins on a report slot before it synchronizes the device instead."""
 
 
 @dataclass
@@ -105,12 +109,11 @@ class Arena:
         self._allocate(fixed, words - fixed)
         self._asynchronous = self.device.type == "cuda"
         if self._asynchronous:
-            # A ring of window + 1 report slots, each with its event: slot k is reused only
-            # after its last report was delivered. Made once, since each submit is host time.
-            ends = torch.empty(window + 1, dtype=torch.int64, pin_memory=True)
-            self._end_slots = ends.split(1)
+            # A ring of window + 1 report slots: slot k is reused only after its last report
+            # was delivered. Made once, since each append is host time.
+            ends = torch.zeros(window + 1, dtype=torch.int64, pin_memory=True)
+            self._report_slots = ends.split(1)
             self._ends = ends.numpy()
-            self._events = [torch.cuda.Event() for _ in range(window + 1)]
         self._pending: collections.deque = collections.deque()
         self._step = 0
         self._last_report = (0, 0)
@@ -144,30 +147,50 @@ class Arena:
         self._fixed_used += words
         return self._buffer[start : start + words]
 
+    def on_append_stream(self) -> bool:
+        """Whether the current stream may append now: the first append of a step fixes the
+        stream (encoders read and move the cursor in stream order; see ``ValueBuffer``)."""
+        if not self._asynchronous:
+            return True
+        stream = torch.cuda.current_stream(self.device)
+        if self._stream is None:
+            self._stream = stream
+        return stream == self._stream
+
     # -- confirmation ---------------------------------------------------------------------
+
+    def next_report(self) -> torch.Tensor | None:
+        """The report slot for the next append (pass it to ``compress(report=...)``), then
+        ``submit`` once the append is queued. None off CUDA, where ``submit`` reads the cursor.
+
+        Waits for the oldest unconfirmed append first when ``window`` are unconfirmed.
+        """
+        if not self._asynchronous:
+            return None
+        if len(self._pending) >= self.window:
+            self._window_waits += 1
+            self._deliver(wait=True)
+        slot = self._submitted % (self.window + 1)
+        self._ends[slot] = 0
+        return self._report_slots[slot]
 
     def submit(self, on_end: Callable[[int, int], None]) -> None:
         """Report to ``on_end(start, end)`` the value words appended since the last ``submit``
         of this step: ``start`` is the cursor then, ``end`` the cursor after the queued work.
 
-        On CUDA the report comes from a later ``poll``; elsewhere it comes at once.
+        On CUDA the report comes from a later ``poll`` (the append must have been given the
+        slot from ``next_report``); elsewhere it comes at once.
         """
         if not self._asynchronous:
             self._record_end(int(self._cursor), on_end, self._step)
             return
-        if len(self._pending) >= self.window:
-            self._window_waits += 1
-            self._deliver(wait=True)
         slot = self._submitted % (self.window + 1)
         self._submitted += 1
-        self._end_slots[slot].copy_(self._cursor, non_blocking=True)
-        event = self._events[slot]
-        event.record()
-        self._pending.append((event, slot, self._step, on_end))
+        self._pending.append((slot, self._step, on_end))
 
     def poll(self) -> None:
-        """Deliver the reports whose copies have completed; never blocks."""
-        while self._pending and self._pending[0][0].query():
+        """Deliver the reports that have arrived; never blocks."""
+        while self._pending and self._ends[self._pending[0][0]]:
             self._deliver(wait=False)
 
     def drain(self) -> None:
@@ -176,10 +199,23 @@ class Arena:
             self._deliver(wait=True)
 
     def _deliver(self, wait: bool) -> None:
-        event, slot, step, callback = self._pending.popleft()
+        slot, step, callback = self._pending.popleft()
         if wait:
-            event.synchronize()
-        self._record_end(int(self._ends[slot]), callback, step)
+            self._wait_for(slot)
+        self._record_end(int(self._ends[slot]) - 1, callback, step)
+
+    def _wait_for(self, slot: int) -> None:
+        """Spin until the slot's report arrives; after ``REPORT_TIMEOUT_S``, synchronize the
+        device instead (every write of a finished kernel is visible then)."""
+        deadline = time.monotonic() + REPORT_TIMEOUT_S
+        while not self._ends[slot]:
+            if time.monotonic() > deadline:
+                torch.cuda.synchronize(self.device)
+                if not self._ends[slot]:
+                    raise RuntimeError(
+                        "an append never reported its end: was it given this arena's report slot "
+                        "(next_report) and queued on this device?"
+                    )
 
     def _record_end(self, end: int, callback: Callable[[int, int], None], step: int) -> None:
         last_step, last_end = self._last_report
@@ -230,6 +266,7 @@ class Arena:
         self._fixed_demand = 0
         self._values_demand = 0
         self._window_waits = 0
+        self._stream = None
         self._step_over = False
 
     def _fit(self, fixed_demand: int, values_demand: int, complete: bool) -> None:

@@ -26,6 +26,9 @@ class ValueBuffer:
     handed out. ``cursor`` (int64 ``[1]``, on the same device) is the next free word.
     Encoders advance the cursor on the device, so appending never waits for the GPU; a tensor
     whose values did not fit advances it past ``capacity`` (see ``CompressedTensor.fits``).
+    ``appends`` (int64 ``[2]``, zero between appends) is the encoders' scratch: the words an
+    append has claimed so far and how many of its programs finished. Appends to one buffer
+    must therefore follow each other in stream order (one CUDA stream, as an arena's do).
 
     Args:
         capacity_words: usable words of the new buffer.
@@ -37,6 +40,7 @@ class ValueBuffer:
             raise ValueError(f"capacity_words must be >= 0, got {capacity_words}")
         self.words = torch.empty(capacity_words + 1, dtype=torch.int32, device=device)
         self.cursor = torch.zeros(1, dtype=torch.int64, device=device)
+        self.appends = torch.zeros(2, dtype=torch.int64, device=device)
 
     @classmethod
     def wrap(cls, words: torch.Tensor, cursor: torch.Tensor) -> "ValueBuffer":
@@ -50,6 +54,7 @@ class ValueBuffer:
             raise ValueError("cursor must be an int64 tensor of shape (1,) on the words' device")
         buffer = cls.__new__(cls)
         buffer.words, buffer.cursor = words, cursor
+        buffer.appends = torch.zeros(2, dtype=torch.int64, device=words.device)
         return buffer
 
     @property
@@ -157,6 +162,7 @@ def compress(
     values: ValueBuffer | None = None,
     fixed: torch.Tensor | None = None,
     nonzeros: torch.Tensor | None = None,
+    report: torch.Tensor | None = None,
 ) -> CompressedTensor:
     """Store ``x`` losslessly as a bitmask of its nonzero elements and their values.
 
@@ -176,6 +182,9 @@ def compress(
         fixed: int32 words to hold the masks and tile words (``geometry.fixed_nbytes(numel) / 4``
             of them, for instance from an arena); allocated when omitted.
         nonzeros: an int64 ``[1]`` device counter the number of stored elements is added to.
+        report: an int64 ``[1]`` tensor, zero, that receives the value stream's end plus one
+            (the cursor after this tensor, so never zero) once the tensor is fully appended.
+            On CUDA it may be pinned host memory, which a host can poll without a CUDA call.
 
     Returns:
         A ``CompressedTensor``. With a shared ``values`` buffer that ran out of space, its
@@ -212,14 +221,36 @@ def compress(
         nonzeros.dtype != torch.int64 or nonzeros.shape != (1,) or nonzeros.device != x.device
     ):
         raise ValueError(f"nonzeros must be an int64 tensor of shape (1,) on {x.device}")
+    if report is not None and (
+        report.dtype != torch.int64
+        or report.shape != (1,)
+        or report.device not in (x.device, torch.device("cpu"))
+    ):
+        raise ValueError(f"report must be an int64 tensor of shape (1,) on {x.device} or in pinned host memory")
     masks = fixed[: num_tiles * geometry.mask_words].view(num_tiles, geometry.mask_words)
     tile_words = fixed[num_tiles * geometry.mask_words :]
-    base = values.cursor.clone()
-    # The codecs index the elements flat and read their bits: one view of a contiguous x.
-    bits = (x if x.is_contiguous() else x.contiguous()).view(spec.bits_dtype)
-    codec.encode(
-        bits, masks, tile_words, values.words, values.cursor, base, spec, geometry, sign_pack, nonzeros
-    )
+    base = torch.empty(1, dtype=torch.int64, device=x.device)
+    if num_tiles == 0:
+        base.copy_(values.cursor)
+        if report is not None:
+            report.copy_(values.cursor + 1, non_blocking=True)
+    else:
+        # The codecs index the elements flat and read their bits: one view of a contiguous x.
+        bits = (x if x.is_contiguous() else x.contiguous()).view(spec.bits_dtype)
+        codec.encode(
+            bits,
+            masks,
+            tile_words,
+            values.words,
+            values.cursor,
+            values.appends,
+            base,
+            spec,
+            geometry,
+            sign_pack,
+            nonzeros,
+            report,
+        )
     return CompressedTensor(
         shape=x.shape,
         dtype=x.dtype,

@@ -98,6 +98,8 @@ class Stats:
     ``stored_bytes`` what they take now (masks, tile words and values; a fallback counts
     dense). ``ratio = dense_bytes / stored_bytes``. ``zero_fraction`` is over the compressed
     tensors. Deduplicated and recomputed saves cost nothing and are counted apart.
+    ``fallbacks`` counts tensors kept dense by reason: ``arena_full`` (no room left) and
+    ``other_stream`` (saved on another CUDA stream than the step's first stored tensor).
     """
 
     step: int = 0
@@ -303,9 +305,14 @@ class Session:
         arena = self._arena(t.device, options)
         lease = _StepLease(self, arena.open_lease())
         collector.arenas.add(arena)
-        fixed = arena.reserve_fixed(self._geometry.fixed_nbytes(t.numel()) // 4)
+        fixed = None
+        if arena.on_append_stream():
+            fixed = arena.reserve_fixed(self._geometry.fixed_nbytes(t.numel()) // 4)
+            refusal = "arena_full"
+        else:
+            refusal = "other_stream"
         if fixed is None:
-            collector.fallbacks["arena_full"] += 1
+            collector.fallbacks[refusal] += 1
             collector.stats.dense_bytes += t.numel() * t.element_size()
             collector.stats.stored_bytes += t.numel() * t.element_size()
             handle = StoredTensor(None, t.detach(), options.backend, lease, None)
@@ -322,6 +329,7 @@ class Session:
             values=arena.values,
             fixed=fixed,
             nonzeros=nonzeros,
+            report=arena.next_report(),
         )
         handle = StoredTensor(compressed, t.detach(), options.backend, lease, order)
         stats = collector.stats

@@ -389,3 +389,26 @@ def check_against_reference(
         else:
             np.testing.assert_array_equal(got & valid, want, err_msg="value stream words")
     return ref
+
+
+def check_successive_appends(backend: str, device: str = "cpu") -> None:
+    """Appends to one buffer follow each other: each starts at the cursor its predecessor
+    left, reports its end plus one, and leaves the encoders' scratch counters at zero."""
+    from bitsparse import ValueBuffer, compress, decompress
+
+    g = generator("appends", backend, device)
+    cases = [(5000, torch.bfloat16, True), (0, torch.float32, False), (3 * 4096 + 1, torch.float8_e4m3fn, False)]
+    cases += [(777, torch.float16, True), (2 * 4096, torch.float32, True)]
+    geometry = TileGeometry()
+    buf = ValueBuffer(sum(geometry.max_stream_words(n, dtype.itemsize * 8) for n, dtype, _ in cases), device)
+    for numel, dtype, sign_pack in cases:
+        x = make_input(numel, dtype, 0.5, g).to(device)
+        report = torch.zeros(1, dtype=torch.int64, pin_memory=device == "cuda")
+        before = int(buf.cursor)
+        c = compress(x, sign_pack=sign_pack, values=buf, backend=backend, report=report)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert int(c.base) == before
+        assert int(report) - 1 == int(buf.cursor) == before + int(c.stream_words())
+        assert buf.appends.tolist() == [0, 0]
+        assert_bitwise_equal(decompress(c, backend=backend), x)

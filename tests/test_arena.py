@@ -39,6 +39,8 @@ class Store:
     def __call__(self, x: torch.Tensor):
         fixed = self.arena.reserve_fixed(fixed_words(x.numel()))
         assert fixed is not None, "fixed region full"
+        report = self.arena.next_report()
+        assert report is None, "on the CPU, submit reads the cursor itself"
         c = compress(x, values=self.arena.values, fixed=fixed, backend="torch", geometry=GEOMETRY)
         before = len(self.reports)
         self.arena.submit(lambda start, end: self.reports.append((start, end)))
@@ -471,3 +473,30 @@ def test_growth_keeps_the_last_report_chain_per_step():
     compressed = [store(x) for x in tensors]
     assert store.reports == [(0, 2048), (2048, 2048)]
     assert_all_fit_exactly(compressed, tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA: reports through pinned memory
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("window", [1, 3])
+def test_cuda_reports_arrive_through_report_slots(window):
+    arena = Arena("cuda", 64 << 20, window=window)
+    arena.open_lease()
+    reports, compressed = [], []
+    tensors = [relu_like(n, 0.5, n).cuda() for n in (4096, 100_000, 1, 300_000, 4096 * 7)]
+    for x in tensors:
+        fixed = arena.reserve_fixed(fixed_words(x.numel()))
+        report = arena.next_report()
+        compressed.append(compress(x, values=arena.values, fixed=fixed, report=report))
+        arena.submit(lambda start, end: reports.append((start, end)))
+        assert len(arena._pending) <= window  # older appends were waited for
+    arena.drain()
+    ends = [end for _, end in reports]
+    assert [start for start, _ in reports] == [0] + ends[:-1]
+    assert ends == [int(c.base) + int(c.stream_words()) for c in compressed] and ends[-1] == int(arena.values.cursor)
+    assert arena.usage().values_demand == ends[-1] * WORD_BYTES
+    for c, x in zip(compressed, tensors):
+        assert_bitwise_equal(decompress(c), x)

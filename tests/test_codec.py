@@ -20,6 +20,7 @@ from helpers import (
     SPECIALS,
     assert_bitwise_equal,
     check_against_reference,
+    check_successive_appends,
     dtype_id,
     from_patterns,
     generator,
@@ -621,6 +622,10 @@ def test_fixed_words(sign_pack):
     assert torch.equal(fixed[: 4 * 128], c.masks.flatten()) and torch.equal(fixed[4 * 128 :], c.tile_words)
     check_against_reference(c, x, sign_pack)
     assert_bitwise_equal(decompress(c, backend=BACKEND), x)
+
+
+def test_successive_appends_report_their_ends():
+    check_successive_appends(BACKEND)
 
 
 def test_value_buffer_wrap_shares_a_cursor():

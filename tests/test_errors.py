@@ -153,6 +153,16 @@ def test_compress_bad_fixed_words(fixed):
 
 
 @pytest.mark.parametrize(
+    "report",
+    [torch.zeros(1, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64, device="meta")],
+    ids=["int32", "shape", "meta"],
+)
+def test_compress_bad_report(report):
+    with pytest.raises(ValueError, match=r"report must be an int64 tensor of shape \(1,\) on cpu"):
+        compress(torch.ones(10), report=report)
+
+
+@pytest.mark.parametrize(
     "words, cursor",
     [
         (torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)),

@@ -14,6 +14,7 @@ from bitsparse.format import compressed_nbytes, dtype_spec
 from helpers import (
     assert_bitwise_equal,
     check_against_reference,
+    check_successive_appends,
     dtype_id,
     expected_tile_stats,
     make_input,
@@ -113,6 +114,10 @@ def test_many_tensors_in_one_buffer():
         assert c.fits()
         assert_bitwise_equal(decompress(c, backend="triton"), x)
     assert int(buf.cursor) == end
+
+
+def test_successive_appends_report_into_pinned_memory():
+    check_successive_appends("triton", "cuda")
 
 
 def test_too_small_buffer_never_corrupts_earlier_streams():

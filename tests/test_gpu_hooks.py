@@ -95,6 +95,30 @@ def test_tiny_arena_falls_back_and_stays_exact():
     assert bitsparse.stats().fallbacks.get("arena_full", 0) > 0
 
 
+def test_tensor_saved_on_another_stream_is_kept_dense():
+    torch.manual_seed(0)
+    w = torch.randn(512, 512, device="cuda", requires_grad=True)
+    x = torch.randn(1024, 512, device="cuda")
+    side = torch.cuda.Stream()
+
+    def loss_fn():
+        a = torch.relu(x @ w)  # the step's first stored tensor fixes the stream
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            b = torch.relu(x @ w + 1)
+        torch.cuda.current_stream().wait_stream(side)
+        return (a * a).sum() + (b * b).sum()
+
+    loss_fn().backward()
+    reference, w.grad = w.grad, None
+    with bitsparse.compressing():
+        loss = loss_fn()
+    loss.backward()
+    stats = bitsparse.stats()
+    assert stats.fallbacks == {"other_stream": 1} and stats.tensors_compressed == 2
+    assert torch.equal(w.grad, reference)
+
+
 def test_training_step_has_no_host_synchronization():
     model, loss_fn = small_gpt(0.9)
     for _ in range(3):  # let the arena settle and the square check run once

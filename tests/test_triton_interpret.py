@@ -23,6 +23,7 @@ from helpers import (  # noqa: E402
     DTYPES,
     assert_bitwise_equal,
     check_against_reference,
+    check_successive_appends,
     dtype_id,
     from_patterns,
     generator,
@@ -253,6 +254,10 @@ def test_nonzeros_counter_and_fixed_words():
         assert int(counter) == total
         check_against_reference(c, x, sign_pack)
         assert_bitwise_equal(decompress(c, backend="triton"), x)
+
+
+def test_successive_appends_report_their_ends():
+    check_successive_appends("triton")
 
 
 def test_strided_fixed_words_are_rejected():

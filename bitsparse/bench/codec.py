@@ -76,11 +76,11 @@ def measure(x: torch.Tensor, sign_pack: bool, backend: str, reps: int) -> dict:
     masks = torch.empty(num_tiles, geometry.mask_words, dtype=torch.int32, device=x.device)
     tile_words = torch.empty(num_tiles, dtype=torch.int32, device=x.device)
     values = ValueBuffer(geometry.max_stream_words(x.numel(), spec.bits), x.device)
-    base = torch.zeros(1, dtype=torch.int64, device=x.device)
+    base = torch.empty(1, dtype=torch.int64, device=x.device)  # written by encode
     out = torch.empty_like(bits)
 
     def encode():
-        codec.encode(bits, masks, tile_words, values.words, values.cursor, base, spec, geometry, sign_pack)
+        codec.encode(bits, masks, tile_words, values.words, values.cursor, values.appends, base, spec, geometry, sign_pack)
 
     def decode():
         codec.decode(masks, tile_words, values.words, base, out, spec, geometry, sign_pack)

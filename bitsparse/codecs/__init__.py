@@ -5,15 +5,18 @@ is a preallocated argument whose shape the host knows, and everything whose size
 the data (the value stream) goes into a caller-provided word buffer at a position held in a
 device tensor. Neither entry point synchronizes with the host.
 
-``encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_pack, nonzeros=None)``
-    Reads ``bits`` (the flattened tensor viewed as ``spec.bits_dtype``), writes ``masks``
-    (int32 ``[num_tiles, mask_words]``) and ``tile_words`` (int32 ``[num_tiles]``), appends
-    the value stream to ``stream`` (int32 words; the last word is a guard that is never
-    allocated) and advances ``cursor`` (int64 ``[1]``) by the words used. ``base`` (int64
-    ``[1]``) holds the cursor as it was before the call: tile offsets are relative to it.
-    A tile that does not fit below the guard is not written; the caller learns this from
-    the cursor, which still advances past the capacity. When given, ``nonzeros`` (int64
-    ``[1]``) is incremented by the number of stored elements (for statistics).
+``encode(bits, masks, tile_words, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros=None, report=None)``
+    Reads ``bits`` (the flattened tensor viewed as ``spec.bits_dtype``, at least one tile),
+    writes ``masks`` (int32 ``[num_tiles, mask_words]``) and ``tile_words`` (int32
+    ``[num_tiles]``), appends the value stream to ``stream`` (int32 words; the last word is
+    a guard that is never allocated) and advances ``cursor`` (int64 ``[1]``) by the words
+    used. ``base`` (int64 ``[1]``) receives the cursor as it was before the call: tile
+    offsets are relative to it. ``appends`` (int64 ``[2]``) is scratch that is zero before
+    and after the call (see ``ValueBuffer``). A tile that does not fit below the guard is not
+    written; the caller learns this from the cursor, which still advances past the capacity.
+    When given, ``nonzeros`` (int64 ``[1]``) is incremented by the number of stored elements
+    (for statistics), and ``report`` (int64 ``[1]``, zero) receives the new cursor plus one
+    as the last thing the call writes.
 
 ``decode(masks, tile_words, stream, base, out, spec, geometry, sign_pack)``
     Writes every element of ``out`` (the flattened result viewed as ``spec.bits_dtype``).
@@ -50,11 +53,13 @@ class Codec(Protocol):
         tile_words: torch.Tensor,
         stream: torch.Tensor,
         cursor: torch.Tensor,
+        appends: torch.Tensor,
         base: torch.Tensor,
         spec: DTypeSpec,
         geometry: TileGeometry,
         sign_pack: bool,
         nonzeros: torch.Tensor | None = None,
+        report: torch.Tensor | None = None,
     ) -> None: ...
 
     def decode(

@@ -57,11 +57,11 @@ def _tile_bits(masks: torch.Tensor, geometry: TileGeometry) -> torch.Tensor:
     return bits.view(masks.shape[0], geometry.tile_size).bool()
 
 
-def encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_pack, nonzeros=None):
+def encode(bits, masks, tile_words, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros=None, report=None):
+    # One vectorised pass claims every tile's words at once: ``appends`` is not needed.
     num_tiles, tile = masks.shape[0], geometry.tile_size
-    if num_tiles == 0:
-        return
     device = bits.device
+    base.copy_(cursor)
     bits = bits.reshape(-1)
     padded = torch.zeros(num_tiles * tile, dtype=torch.int64, device=device)
     padded[: bits.numel()] = unsigned(bits, spec.bits)
@@ -105,6 +105,8 @@ def encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_p
     dest = torch.where((column < lengths[:, None]) & fits[:, None], dest, capacity)
     stream.index_put_((dest.flatten(),), wrap_signed(packed_words[:, :-1], torch.int32).flatten())
     cursor.add_(lengths.sum())
+    if report is not None:
+        report.copy_(cursor + 1, non_blocking=True)
 
 
 def decode(masks, tile_words, stream, base, out, spec, geometry, sign_pack):

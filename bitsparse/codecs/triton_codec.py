@@ -3,10 +3,13 @@
 Encoding works on one tile of 4096 elements as a 1-D block: it builds the 32-bit mask words
 from the nonzero test, ranks every element among the tile's nonzeros (exclusive scan of the
 words' popcounts, gathered back to the elements, plus the popcount of the bits below each),
-claims the tile's stream words with one relaxed atomic add on the cursor, and scatters the
-values to ``start + rank``. Without sign packing there is one program per tile. With it the
-grid is persistent, because each program needs a scratch block (it stays in L2): a packed
-tile's values are compacted there first, then each output word is assembled from the at most
+claims the tile's stream words with one relaxed atomic add on a per-append counter (relative
+to the cursor, which every program reads first), and scatters the values to ``start + rank``.
+The last program to finish, counted with a second atomic, advances the cursor, clears the
+counters and writes the report: an append is one launch, with nothing else on the stream.
+Without sign packing there is one program per tile. With it the grid is persistent,
+because each program needs a scratch block (it stays in L2): a packed tile's values are
+compacted there first, then each output word is assembled from the at most
 ``floor(31 / b) + 2`` values that overlap it, so every word is written once, whole.
 
 Decoding runs one program per tile (per quarter tile when tiles may be packed): the same
@@ -83,7 +86,9 @@ def _encode_kernel(
     stream_ptr,
     values_ptr,
     cursor_ptr,
+    appends_ptr,
     base_ptr,
+    report_ptr,
     capacity,
     nonzeros_ptr,
     scratch_ptr,
@@ -95,6 +100,7 @@ def _encode_kernel(
     SIGN_PACK: tl.constexpr,
     PACKED_WORDS_BLOCK: tl.constexpr,
     COUNT_NONZEROS: tl.constexpr,
+    REPORT: tl.constexpr,
     HW_POPC: tl.constexpr,
 ):
     MASK_WORDS: tl.constexpr = TILE // 32
@@ -103,7 +109,10 @@ def _encode_kernel(
     OVERLAPPING_VALUES: tl.constexpr = 31 // PACKED_BITS + 2
     pid = tl.program_id(0)
     offsets = tl.arange(0, TILE)
-    base = tl.load(base_ptr)
+    # The cursor moves only when every program has finished (below), so all read the same.
+    base = tl.load(cursor_ptr)
+    if pid == 0:
+        tl.store(base_ptr, base)
     for step in range(tiles_per_program):
         # Past the last tile everything below is masked off (and the atomic adds zero).
         tile = pid + step * num_programs
@@ -126,9 +135,9 @@ def _encode_kernel(
             packed = False
         width = tl.where(packed, PACKED_BITS, BITS)
         length = (count * width + 31) // 32
-        start = tl.atomic_add(cursor_ptr, length.to(tl.int64), sem="relaxed")
-        offset = (start - base).to(tl.int32)
-        tl.store(tile_words_ptr + tile, offset | (packed.to(tl.int32) << 31), mask=real)
+        offset = tl.atomic_add(appends_ptr, length.to(tl.int64), sem="relaxed")
+        start = base + offset
+        tl.store(tile_words_ptr + tile, offset.to(tl.int32) | (packed.to(tl.int32) << 31), mask=real)
         fits = start + length <= capacity
         raw_values = values_ptr + start * VALUES_PER_WORD
         tl.store(raw_values + rank, x, mask=nonzero & fits & (not packed))
@@ -157,6 +166,14 @@ def _encode_kernel(
                 mask=(j < length) & packed & fits,
             )
             tl.debug_barrier()
+    # The last program to finish moves the cursor past this append and clears the scratch.
+    # Release/acquire order every program's claim and its read of the cursor before this.
+    if tl.atomic_add(appends_ptr + 1, 1, sem="acq_rel") == num_programs - 1:
+        end = base + tl.atomic_xchg(appends_ptr, 0, sem="acquire")
+        tl.atomic_xchg(appends_ptr + 1, 0, sem="relaxed")
+        tl.store(cursor_ptr, end)
+        if REPORT:
+            tl.store(report_ptr, end + 1)
 
 
 @triton.jit
@@ -222,10 +239,8 @@ def _encode_programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count * ENCODE_PROGRAMS_PER_SM
 
 
-def encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_pack, nonzeros=None):
+def encode(bits, masks, tile_words, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros=None, report=None):
     num_tiles, tile = masks.shape[0], geometry.tile_size
-    if num_tiles == 0:
-        return
     # Only sign packing needs a persistent grid (for its per-program scratch); without it one
     # program per tile measured faster (docs/benchmarks.md).
     programs = min(num_tiles, _encode_programs(bits.device)) if sign_pack else num_tiles
@@ -239,7 +254,9 @@ def encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_p
         stream,
         stream.view(bits.dtype),
         cursor,
+        appends,
         base,
+        base if report is None else report,
         stream.numel() - 1,
         cursor if nonzeros is None else nonzeros,
         scratch,
@@ -251,6 +268,7 @@ def encode(bits, masks, tile_words, stream, cursor, base, spec, geometry, sign_p
         SIGN_PACK=sign_pack,
         PACKED_WORDS_BLOCK=packed_words,
         COUNT_NONZEROS=nonzeros is not None,
+        REPORT=report is not None,
         HW_POPC=not INTERPRETED,
         num_warps=ENCODE_NUM_WARPS,
     )
