@@ -170,9 +170,8 @@ class Arena:
         if len(self._pending) >= self.window:
             self._window_waits += 1
             self._deliver(wait=True)
-        slot = self._submitted % (self.window + 1)
-        self._ends[slot] = 0
-        return self._report_slots[slot]
+        self._ends[self._next_slot] = 0
+        return self._report_slots[self._next_slot]
 
     def submit(self, on_end: Callable[[int, int], None]) -> None:
         """Report to ``on_end(start, end)`` the value words appended since the last ``submit``
@@ -184,9 +183,13 @@ class Arena:
         if not self._asynchronous:
             self._record_end(int(self._cursor), on_end, self._step)
             return
-        slot = self._submitted % (self.window + 1)
+        self._pending.append((self._next_slot, self._step, on_end))
         self._submitted += 1
-        self._pending.append((slot, self._step, on_end))
+
+    @property
+    def _next_slot(self) -> int:
+        """The ring slot of the next append's report."""
+        return self._submitted % (self.window + 1)
 
     def poll(self) -> None:
         """Deliver the reports that have arrived; never blocks."""

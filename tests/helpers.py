@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from bitsparse import ValueBuffer, compress, decompress
 from bitsparse.format import (
     MAX_TILE_OFFSET,
     SUPPORTED_DTYPES,
@@ -394,8 +395,6 @@ def check_against_reference(
 def check_successive_appends(backend: str, device: str = "cpu") -> None:
     """Appends to one buffer follow each other: each starts at the cursor its predecessor
     left, reports its end plus one, and leaves the encoders' scratch counters at zero."""
-    from bitsparse import ValueBuffer, compress, decompress
-
     g = generator("appends", backend, device)
     cases = [(5000, torch.bfloat16, True), (0, torch.float32, False), (3 * 4096 + 1, torch.float8_e4m3fn, False)]
     cases += [(777, torch.float16, True), (2 * 4096, torch.float32, True)]
