@@ -104,6 +104,7 @@ class Arena:
         self.window = window
         self.growable = growable
         self._cursor = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._device_index = self._cursor.get_device()
         words = capacity_bytes // WORD_BYTES
         fixed = max(1, int(words * fixed_fraction))
         self._allocate(fixed, words - fixed)
@@ -152,7 +153,8 @@ class Arena:
         stream (encoders read and move the cursor in stream order; see ``ValueBuffer``)."""
         if not self._asynchronous:
             return True
-        stream = torch.cuda.current_stream(self.device)
+        # The raw handle: building a torch.cuda.Stream object per append costs host time.
+        stream = torch._C._cuda_getCurrentRawStream(self._device_index)
         if self._stream is None:
             self._stream = stream
         return stream == self._stream

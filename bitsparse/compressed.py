@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bitsparse.codecs import get_codec, torch_codec
+from bitsparse.codecs import Codec, get_codec, torch_codec
 from bitsparse.format import (
     MAX_TILE_OFFSET,
     WORD_BITS,
@@ -71,17 +71,17 @@ class ValueBuffer:
         self.cursor.zero_()
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class CompressedTensor:
-    """A tensor stored in the BitSparse format (``docs/format.md``).
+    """A tensor stored in the BitSparse format (``docs/format.md``). Treat it as read-only.
 
     Attributes:
         shape, dtype: those of the original tensor.
         sign_pack: whether sign packing was requested (tiles holding a value with its sign
             bit set are stored raw regardless).
         geometry: the tile geometry.
-        masks: int32 ``[num_tiles, tile_size / 32]``, the nonzero bitmasks.
-        tile_words: int32 ``[num_tiles]``, each tile's stream offset and packed flag.
+        fixed: int32 ``[num_tiles * (tile_size / 32 + 1)]``: the nonzero bitmasks, then the
+            tile words (see ``masks`` and ``tile_words``).
         values: the buffer holding the value stream (shared with other tensors in an arena).
         base: int64 ``[1]``, the word of ``values`` where this tensor's stream starts.
     """
@@ -90,14 +90,23 @@ class CompressedTensor:
     dtype: torch.dtype
     sign_pack: bool
     geometry: TileGeometry
-    masks: torch.Tensor
-    tile_words: torch.Tensor
+    fixed: torch.Tensor
     values: ValueBuffer
     base: torch.Tensor
 
     @property
+    def masks(self) -> torch.Tensor:
+        """int32 ``[num_tiles, tile_size / 32]``, the nonzero bitmasks (a view of ``fixed``)."""
+        return torch_codec.split_fixed(self.fixed, self.geometry)[0]
+
+    @property
+    def tile_words(self) -> torch.Tensor:
+        """int32 ``[num_tiles]``, each tile's stream offset and packed flag (a view of ``fixed``)."""
+        return torch_codec.split_fixed(self.fixed, self.geometry)[1]
+
+    @property
     def device(self) -> torch.device:
-        return self.masks.device
+        return self.fixed.device
 
     @property
     def spec(self) -> DTypeSpec:
@@ -109,7 +118,7 @@ class CompressedTensor:
 
     @property
     def num_tiles(self) -> int:
-        return self.masks.shape[0]
+        return self.geometry.num_tiles(self.numel)
 
     @property
     def dense_nbytes(self) -> int:
@@ -206,7 +215,6 @@ def compress(
         raise ValueError(f"values buffer is on {values.device} but the tensor is on {x.device}")
     if geometry.max_stream_words(numel, spec.bits) > MAX_TILE_OFFSET:
         raise ValueError("tensor too large for 31-bit tile offsets; split it")
-    num_tiles = geometry.num_tiles(numel)
     fixed_words = geometry.fixed_nbytes(numel) // 4
     if fixed is None:
         fixed = torch.empty(fixed_words, dtype=torch.int32, device=x.device)
@@ -227,40 +235,39 @@ def compress(
         or report.device not in (x.device, torch.device("cpu"))
     ):
         raise ValueError(f"report must be an int64 tensor of shape (1,) on {x.device} or in pinned host memory")
-    masks = fixed[: num_tiles * geometry.mask_words].view(num_tiles, geometry.mask_words)
-    tile_words = fixed[num_tiles * geometry.mask_words :]
+    return compress_unchecked(
+        x if x.is_contiguous() else x.contiguous(), codec, geometry, values, fixed, sign_pack, nonzeros, report
+    )
+
+
+def compress_unchecked(
+    x: torch.Tensor,
+    codec: Codec,
+    geometry: TileGeometry,
+    values: ValueBuffer,
+    fixed: torch.Tensor,
+    sign_pack: bool,
+    nonzeros: torch.Tensor | None = None,
+    report: torch.Tensor | None = None,
+) -> CompressedTensor:
+    """``compress`` without its checks, for callers that built valid arguments themselves.
+
+    ``x`` must be contiguous, of a supported dtype and at most ``MAX_NUMEL`` elements;
+    ``codec`` one that runs on its device (``get_codec``); ``fixed`` exactly
+    ``geometry.fixed_nbytes(x.numel()) / 4`` contiguous int32 words; every tensor on ``x``'s
+    device (``report`` may be pinned host memory). The arena's caller stores tensors this
+    way: argument checks were a measurable share of the host time per tensor.
+    """
     base = torch.empty(1, dtype=torch.int64, device=x.device)
-    if num_tiles == 0:
+    if x.numel():
+        spec = dtype_spec(x.dtype)
+        stream, cursor, appends = values.words, values.cursor, values.appends
+        codec.encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros, report)
+    else:
         base.copy_(values.cursor)
         if report is not None:
             report.copy_(values.cursor + 1, non_blocking=True)
-    else:
-        # The codecs index the elements flat and read their bits: one view of a contiguous x.
-        bits = (x if x.is_contiguous() else x.contiguous()).view(spec.bits_dtype)
-        codec.encode(
-            bits,
-            masks,
-            tile_words,
-            values.words,
-            values.cursor,
-            values.appends,
-            base,
-            spec,
-            geometry,
-            sign_pack,
-            nonzeros,
-            report,
-        )
-    return CompressedTensor(
-        shape=x.shape,
-        dtype=x.dtype,
-        sign_pack=sign_pack,
-        geometry=geometry,
-        masks=masks,
-        tile_words=tile_words,
-        values=values,
-        base=base,
-    )
+    return CompressedTensor(x.shape, x.dtype, sign_pack, geometry, fixed, values, base)
 
 
 def decompress(c: CompressedTensor, *, backend: str | None = None) -> torch.Tensor:
@@ -278,10 +285,11 @@ def decompress(c: CompressedTensor, *, backend: str | None = None) -> torch.Tens
     """
     if not isinstance(c, CompressedTensor):
         raise TypeError(f"decompress expects a CompressedTensor, got {type(c).__name__}")
-    spec = c.spec
-    codec = get_codec(backend, c.device)
-    out = torch.empty(c.numel, dtype=spec.bits_dtype, device=c.device)
-    codec.decode(
-        c.masks, c.tile_words, c.values.words, c.base, out, spec, c.geometry, c.sign_pack
-    )
-    return out.view(c.dtype).view(c.shape)
+    return decompress_unchecked(c, get_codec(backend, c.device))
+
+
+def decompress_unchecked(c: CompressedTensor, codec: Codec) -> torch.Tensor:
+    """``decompress`` with a codec the caller already chose (``get_codec``) for ``c``'s device."""
+    out = torch.empty(c.shape, dtype=c.dtype, device=c.fixed.device)
+    codec.decode(c.fixed, c.values.words, c.base, out, dtype_spec(c.dtype), c.geometry, c.sign_pack)
+    return out

@@ -12,7 +12,8 @@ from typing import Callable
 
 import torch
 
-from bitsparse.compressed import CompressedTensor, decompress
+from bitsparse.codecs import Codec
+from bitsparse.compressed import CompressedTensor, decompress_unchecked
 
 
 class Handle:
@@ -53,20 +54,20 @@ class StoredTensor(Handle):
     memory order (``order``), so the restored tensor has the original strides.
     """
 
-    __slots__ = ("compressed", "dense", "backend", "lease", "order")
+    __slots__ = ("compressed", "dense", "codec", "lease", "order")
 
     def __init__(
         self,
         compressed: CompressedTensor | None,
         dense: torch.Tensor,
-        backend: str | None,
+        codec: Codec | None,
         lease,
         order: tuple[int, ...] | None,
     ):
         super().__init__()
         self.compressed = compressed
         self.dense: torch.Tensor | None = dense
-        self.backend = backend
+        self.codec = codec
         self.lease = lease
         self.order = order  # the tensor was compressed as dense.permute(order) (() for dense)
 
@@ -77,7 +78,7 @@ class StoredTensor(Handle):
     def _restore(self) -> torch.Tensor:
         if self.dense is not None:
             return self.dense
-        restored = decompress(self.compressed, backend=self.backend)
+        restored = decompress_unchecked(self.compressed, self.codec)
         if not self.order:
             return restored
         inverse = sorted(range(len(self.order)), key=self.order.__getitem__)

@@ -19,7 +19,8 @@ import psutil
 import torch
 
 from bitsparse.allocator import Arena
-from bitsparse.compressed import MAX_NUMEL, compress
+from bitsparse.codecs import get_codec
+from bitsparse.compressed import MAX_NUMEL, compress_unchecked
 from bitsparse.format import SUPPORTED_DTYPES, TileGeometry
 from bitsparse.hooks.handles import Handle, Recomputed, StoredTensor, ViewOf
 from bitsparse.hooks.provenance import Marks, Provenance, classify_node, node_key, span_end, squared_input
@@ -258,17 +259,23 @@ class Session:
 
     # -- decisions --------------------------------------------------------------------------
 
-    def _skip_reason(self, t: torch.Tensor, options: Options) -> str | None:
+    @staticmethod
+    def _skip_reason(t: torch.Tensor, options: Options) -> str | None:
+        # Ordered by how often each check rejects a saved tensor: every pack runs this.
+        numel = t.numel()
+        if numel < options.min_numel or not numel:
+            return "small"
         if t.dtype not in SUPPORTED_DTYPES:
             return "dtype"
-        if t.numel() < max(options.min_numel, 1):
-            return "small"
+        base = t._base
+        if base is None:
+            base = t
+        if base.requires_grad and base.is_leaf:
+            return "parameter"
         if t.layout != torch.strided or not (t.is_cuda or t.is_cpu):
             return "layout_or_device"
-        if t.numel() > MAX_NUMEL:
+        if numel > MAX_NUMEL:
             return "large"
-        if _is_parameter(t):
-            return "parameter"
         return None
 
     def _provenance(self, t: torch.Tensor) -> Provenance | None:
@@ -315,23 +322,24 @@ class Session:
             collector.fallbacks[refusal] += 1
             collector.stats.dense_bytes += t.numel() * t.element_size()
             collector.stats.stored_bytes += t.numel() * t.element_size()
-            handle = StoredTensor(None, t.detach(), options.backend, lease, None)
+            handle = StoredTensor(None, t.detach(), None, lease, None)
             handle.confirm(False)
             return handle
-        nonzeros = collector.nonzeros.get(t.device)
+        nonzeros = collector.nonzeros.get(arena.device)
         if nonzeros is None:
-            nonzeros = collector.nonzeros[t.device] = torch.zeros(1, dtype=torch.int64, device=t.device)
-        compressed = compress(
+            nonzeros = collector.nonzeros[arena.device] = torch.zeros(1, dtype=torch.int64, device=arena.device)
+        codec = get_codec(options.backend, arena.device)
+        compressed = compress_unchecked(
             t.permute(order) if order else t,
-            sign_pack=sign_pack,
-            backend=options.backend,
-            geometry=self._geometry,
-            values=arena.values,
-            fixed=fixed,
-            nonzeros=nonzeros,
-            report=arena.next_report(),
+            codec,
+            self._geometry,
+            arena.values,
+            fixed,
+            sign_pack,
+            nonzeros,
+            arena.next_report(),
         )
-        handle = StoredTensor(compressed, t.detach(), options.backend, lease, order)
+        handle = StoredTensor(compressed, t.detach(), codec, lease, order)
         stats = collector.stats
         stats.tensors_compressed += 1
         stats.dense_bytes += compressed.dense_nbytes

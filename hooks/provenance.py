@@ -149,6 +149,8 @@ def node_key(node, output_nr: int) -> tuple[int, int, int]:
 
 def span_end(t: torch.Tensor) -> int:
     """One past the last storage element ``t`` touches."""
+    if t.is_contiguous():
+        return t.storage_offset() + t.numel()
     if t.numel() == 0:
         return t.storage_offset()
     return t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if s > 0)

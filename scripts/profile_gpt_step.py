@@ -40,8 +40,8 @@ STAGES = [
     (manager.Session, "_recompute"),
     (manager.Session, "_find_stored"),
     (manager.Session, "_poll"),
-    (manager, "compress"),
-    (handles, "decompress"),
+    (manager, "compress_unchecked"),
+    (handles, "decompress_unchecked"),
     (triton_codec, "encode"),
     (triton_codec, "decode"),
     (Arena, "submit"),
@@ -102,7 +102,7 @@ def main() -> None:
                 memory[variant][-1] += stats.arena_capacity
     dense_ms = statistics.median(gpu["dense"])
     print(f"T={args.length}, {args.repeats} interleaved repeats")
-    print(f"{'variant':<28}{'step ms':>9}{'vs dense':>10}{'host ms':>9}{'MiB/token':>11}{'waits':>7}")
+    print(f"{'variant':<28}{'step ms':>9}{'vs dense':>10}{'host ms':>9}{'fwd ms':>9}{'MiB/token':>11}{'waits':>7}")
     for variant in VARIANTS:
         ms = statistics.median(gpu[variant])
         print(

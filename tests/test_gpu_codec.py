@@ -8,9 +8,6 @@ the torch backend; the cross-decoding test also runs the full NumPy reference at
 
 import pytest
 import torch
-
-from bitsparse import TileGeometry, ValueBuffer, compress, decompress
-from bitsparse.format import compressed_nbytes, dtype_spec
 from helpers import (
     assert_bitwise_equal,
     check_against_reference,
@@ -20,6 +17,10 @@ from helpers import (
     make_input,
     seed_of,
 )
+
+from bitsparse import TileGeometry, ValueBuffer, compress, decompress
+from bitsparse.codecs import triton_codec
+from bitsparse.format import compressed_nbytes, dtype_spec
 
 pytestmark = [
     pytest.mark.gpu,
@@ -114,6 +115,39 @@ def test_many_tensors_in_one_buffer():
         assert c.fits()
         assert_bitwise_equal(decompress(c, backend="triton"), x)
     assert int(buf.cursor) == end
+
+
+def test_launch_key_determines_the_compiled_kernel(monkeypatch):
+    """Launches skip Triton's argument binding, reusing the kernel compiled for their key:
+    for every launch, the kernel Triton itself would pick must be that one."""
+    launches = []
+    launch = triton_codec._Launcher.__call__
+
+    def checked_launch(self, grid, device, key, args, num_warps):
+        launch(self, grid, device, key, args, num_warps)
+        expected = self._kernel.warmup(*args, grid=(grid,), num_warps=num_warps)
+        assert self._compiled[(device, num_warps) + key] is expected, key
+        launches.append(key)
+
+    monkeypatch.setattr(triton_codec._Launcher, "__call__", checked_launch)
+    g = cuda_generator("launch keys")
+    storage = make_input(3 * 4096 + 40, torch.bfloat16, 0.5, g)
+    buf = ValueBuffer(1 << 20, device="cuda")
+    nonzeros = torch.zeros(1, dtype=torch.int64, device="cuda")
+    # One tile and many, odd sizes, unaligned starts, and each optional output.
+    for i, (offset, numel) in enumerate([(0, 1), (0, 4096), (1, 4097), (3, 3 * 4096 + 17), (8, 2 * 4096)]):
+        x = storage[offset : offset + numel]
+        for sign_pack in (False, True):
+            report = torch.zeros(1, dtype=torch.int64, pin_memory=True) if i % 2 else None
+            c = compress(x, sign_pack=sign_pack, values=buf, nonzeros=nonzeros if i % 2 else None, report=report)
+            assert_bitwise_equal(decompress(c), x)
+    for dtype in GPU_DTYPES:
+        x = make_input(5000, dtype, 0.5, g)
+        assert_bitwise_equal(decompress(compress(x, sign_pack=True)), x)
+    # Sign packing's persistent grid, with two tiles per program.
+    x = make_input(2 * triton_codec._encode_programs(torch.cuda.current_device()) * 4096 + 5, torch.bfloat16, 0.5, g)
+    assert_bitwise_equal(decompress(compress(x, sign_pack=True)), x)
+    assert len(launches) == 2 * (2 * 5 + len(GPU_DTYPES) + 1)
 
 
 def test_successive_appends_report_into_pinned_memory():

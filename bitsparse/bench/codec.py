@@ -71,27 +71,24 @@ def measure(x: torch.Tensor, sign_pack: bool, backend: str, reps: int) -> dict:
     spec = dtype_spec(x.dtype)
     geometry = TileGeometry()
     codec = get_codec(backend, x.device)
-    bits = x.view(spec.bits_dtype)
-    num_tiles = geometry.num_tiles(x.numel())
-    masks = torch.empty(num_tiles, geometry.mask_words, dtype=torch.int32, device=x.device)
-    tile_words = torch.empty(num_tiles, dtype=torch.int32, device=x.device)
+    fixed = torch.empty(geometry.fixed_nbytes(x.numel()) // 4, dtype=torch.int32, device=x.device)
     values = ValueBuffer(geometry.max_stream_words(x.numel(), spec.bits), x.device)
     base = torch.empty(1, dtype=torch.int64, device=x.device)  # written by encode
-    out = torch.empty_like(bits)
+    out = torch.empty_like(x)
 
     def encode():
-        codec.encode(bits, masks, tile_words, values.words, values.cursor, values.appends, base, spec, geometry, sign_pack)
+        codec.encode(x, fixed, values.words, values.cursor, values.appends, base, spec, geometry, sign_pack)
 
     def decode():
-        codec.decode(masks, tile_words, values.words, base, out, spec, geometry, sign_pack)
+        codec.decode(fixed, values.words, base, out, spec, geometry, sign_pack)
 
     values.reset()
     encode()
     decode()
-    if not torch.equal(out, bits):
+    if not torch.equal(out.view(spec.bits_dtype), x.view(spec.bits_dtype)):
         raise AssertionError(f"round trip failed for {x.dtype}, sign_pack={sign_pack}")
     stream_bytes = 4 * int(values.cursor)
-    fixed_bytes = masks.numel() * 4 + tile_words.numel() * 4
+    fixed_bytes = fixed.numel() * 4
     moved = x.numel() * spec.itemsize + fixed_bytes + stream_bytes
     encode_ms = time_ms(encode, before=values.reset, reps=reps)
     decode_ms = time_ms(decode, reps=reps)
@@ -179,12 +176,18 @@ def sweep(args: argparse.Namespace) -> None:
     copy = copy_gbs(numel, args.reps, "cuda")
     for zeros, sign_pack in ((0.5, False), (0.9, False), (0.9, True)):
         x = relu_like(numel, zeros, torch.bfloat16, "cuda")
-        for warps, parts in itertools.product((1, 2, 4), (1, 2, 4)):
-            triton_codec.DECODE_NUM_WARPS = warps
+        defaults = triton_codec.ENCODE_NUM_WARPS, triton_codec.DECODE_NUM_WARPS, triton_codec.DECODE_PARTS
+        for encode_warps, decode_warps, parts in itertools.chain(
+            ((w, defaults[1], defaults[2][sign_pack]) for w in (2, 4, 8)),
+            ((defaults[0], w, p) for w, p in itertools.product((1, 2, 4), (1, 2, 4))),
+        ):
+            triton_codec.ENCODE_NUM_WARPS = encode_warps
+            triton_codec.DECODE_NUM_WARPS = decode_warps
             triton_codec.DECODE_PARTS = {False: parts, True: parts}
             r = measure(x, sign_pack, "triton", args.reps)
-            print(f"zeros={zeros} sign_pack={sign_pack!s:<5} decode: warps={warps} parts={parts}  "
-                  f"encode {100 * r['encode_gbs'] / copy:5.1f}%  decode {100 * r['decode_gbs'] / copy:5.1f}%")
+            print(f"zeros={zeros} sign_pack={sign_pack!s:<5} encode warps={encode_warps} decode warps={decode_warps} "
+                  f"parts={parts}  encode {100 * r['encode_gbs'] / copy:5.1f}%  decode {100 * r['decode_gbs'] / copy:5.1f}%")
+        triton_codec.ENCODE_NUM_WARPS, triton_codec.DECODE_NUM_WARPS, triton_codec.DECODE_PARTS = defaults
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,22 +5,23 @@ is a preallocated argument whose shape the host knows, and everything whose size
 the data (the value stream) goes into a caller-provided word buffer at a position held in a
 device tensor. Neither entry point synchronizes with the host.
 
-``encode(bits, masks, tile_words, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros=None, report=None)``
-    Reads ``bits`` (the flattened tensor viewed as ``spec.bits_dtype``, at least one tile),
-    writes ``masks`` (int32 ``[num_tiles, mask_words]``) and ``tile_words`` (int32
-    ``[num_tiles]``), appends the value stream to ``stream`` (int32 words; the last word is
-    a guard that is never allocated) and advances ``cursor`` (int64 ``[1]``) by the words
-    used. ``base`` (int64 ``[1]``) receives the cursor as it was before the call: tile
-    offsets are relative to it. ``appends`` (int64 ``[2]``) is scratch that is zero before
-    and after the call (see ``ValueBuffer``). A tile that does not fit below the guard is not
-    written; the caller learns this from the cursor, which still advances past the capacity.
-    When given, ``nonzeros`` (int64 ``[1]``) is incremented by the number of stored elements
-    (for statistics), and ``report`` (int64 ``[1]``, zero) receives the new cursor plus one
-    as the last thing the call writes.
+``encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros=None, report=None)``
+    Reads the bits of ``x`` (a contiguous tensor of ``spec.dtype``, at least one element)
+    in flattened order, writes ``fixed`` (int32 ``[num_tiles * (mask_words + 1)]``: the
+    masks, ``mask_words`` per tile, then one tile word per tile), appends the value stream to
+    ``stream`` (int32 words; the last word is a guard that is never allocated) and advances
+    ``cursor`` (int64 ``[1]``) by the words used. ``base`` (int64 ``[1]``) receives the
+    cursor as it was before the call: tile offsets are relative to it. ``appends`` (int64
+    ``[2]``) is scratch that is zero before and after the call (see ``ValueBuffer``). A tile
+    that does not fit below the guard is not written; the caller learns this from the
+    cursor, which still advances past the capacity. When given, ``nonzeros`` (int64 ``[1]``)
+    is incremented by the number of stored elements (for statistics), and ``report`` (int64
+    ``[1]``, zero) receives the new cursor plus one as the last thing the call writes.
 
-``decode(masks, tile_words, stream, base, out, spec, geometry, sign_pack)``
-    Writes every element of ``out`` (the flattened result viewed as ``spec.bits_dtype``).
-    ``sign_pack`` says whether packed tiles may occur (a fast path when they cannot).
+``decode(fixed, stream, base, out, spec, geometry, sign_pack)``
+    Writes every element of ``out`` (a contiguous tensor of ``spec.dtype``, restored in
+    flattened order). ``sign_pack`` says whether packed tiles may occur (a fast path when
+    they cannot).
 
 Backends: ``"torch"`` (vectorised PyTorch, any device) and ``"triton"`` (CUDA, or the CPU under
 ``TRITON_INTERPRET=1``). Both write the same masks and tile encodings; the order of tiles in
@@ -48,9 +49,8 @@ class Codec(Protocol):
 
     def encode(
         self,
-        bits: torch.Tensor,
-        masks: torch.Tensor,
-        tile_words: torch.Tensor,
+        x: torch.Tensor,
+        fixed: torch.Tensor,
         stream: torch.Tensor,
         cursor: torch.Tensor,
         appends: torch.Tensor,
@@ -64,8 +64,7 @@ class Codec(Protocol):
 
     def decode(
         self,
-        masks: torch.Tensor,
-        tile_words: torch.Tensor,
+        fixed: torch.Tensor,
         stream: torch.Tensor,
         base: torch.Tensor,
         out: torch.Tensor,

@@ -57,12 +57,21 @@ def _tile_bits(masks: torch.Tensor, geometry: TileGeometry) -> torch.Tensor:
     return bits.view(masks.shape[0], geometry.tile_size).bool()
 
 
-def encode(bits, masks, tile_words, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros=None, report=None):
+def split_fixed(fixed: torch.Tensor, geometry: TileGeometry) -> tuple[torch.Tensor, torch.Tensor]:
+    """The masks (``[num_tiles, mask_words]``) and the tile words (``[num_tiles]``) that
+    ``fixed`` holds, one after the other."""
+    num_tiles = fixed.numel() // (geometry.mask_words + 1)
+    masks = fixed[: num_tiles * geometry.mask_words].view(num_tiles, geometry.mask_words)
+    return masks, fixed[num_tiles * geometry.mask_words :]
+
+
+def encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros=None, report=None):
     # One vectorised pass claims every tile's words at once: ``appends`` is not needed.
+    masks, tile_words = split_fixed(fixed, geometry)
     num_tiles, tile = masks.shape[0], geometry.tile_size
-    device = bits.device
+    device = x.device
     base.copy_(cursor)
-    bits = bits.reshape(-1)
+    bits = x.reshape(-1).view(spec.bits_dtype)
     padded = torch.zeros(num_tiles * tile, dtype=torch.int64, device=device)
     padded[: bits.numel()] = unsigned(bits, spec.bits)
     padded = padded.view(num_tiles, tile)
@@ -109,7 +118,8 @@ def encode(bits, masks, tile_words, stream, cursor, appends, base, spec, geometr
         report.copy_(cursor + 1, non_blocking=True)
 
 
-def decode(masks, tile_words, stream, base, out, spec, geometry, sign_pack):
+def decode(fixed, stream, base, out, spec, geometry, sign_pack):
+    masks, tile_words = split_fixed(fixed, geometry)
     num_tiles = masks.shape[0]
     if num_tiles == 0:
         return
@@ -125,4 +135,4 @@ def decode(masks, tile_words, stream, base, out, spec, geometry, sign_pack):
     shift = bit & 31
     value = ((low >> shift) | (high << (WORD_BITS - shift))) & ((1 << width) - 1)
     value = torch.where(nonzero, value, 0).flatten()[: out.numel()]
-    out.copy_(wrap_signed(value, out.dtype))
+    out.view(spec.bits_dtype).view(-1).copy_(wrap_signed(value, spec.bits_dtype))

@@ -27,6 +27,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -40,6 +41,16 @@ DECODE_NUM_WARPS = 2
 DECODE_PARTS = {False: 1, True: 4}
 """Programs per tile, by whether tiles may be sign-packed (measured: docs/benchmarks.md)."""
 INTERPRETER_PROGRAMS = 3  # enough to exercise the persistent loop under the interpreter
+
+# Arguments Triton must not specialize on (integer values, pointer alignment): the compiled
+# kernel then depends only on what ``_Launcher``'s key holds. Kept: the alignment of the
+# dense tensor, the stream and the masks, and Triton's classes of the element count and of
+# the tiles per program (vectorized loads and stores; a loop known to run once).
+_ENCODE_UNSPECIALIZED = [
+    "cursor_ptr", "appends_ptr", "base_ptr", "report_ptr", "nonzeros_ptr", "scratch_ptr",
+    "capacity", "num_tiles", "num_programs",
+]  # fmt: skip
+_DECODE_UNSPECIALIZED = ["base_ptr", "num_tiles"]
 
 
 @triton.jit
@@ -78,20 +89,40 @@ def _tile_ranks(words, offsets, HW_POPC: tl.constexpr):
 
 
 @triton.jit
+def _as_bits(x, BITS: tl.constexpr):
+    """The bit patterns of ``x`` (a float or integer block of width ``BITS``) as signed integers."""
+    if BITS == 8:
+        return x.to(tl.int8, bitcast=True)
+    elif BITS == 16:
+        return x.to(tl.int16, bitcast=True)
+    else:
+        return x.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _bits_pointer(ptr, BITS: tl.constexpr):
+    """``ptr`` as a pointer to signed integers of width ``BITS`` (raw values in the stream)."""
+    if BITS == 8:
+        return ptr.to(tl.pointer_type(tl.int8))
+    elif BITS == 16:
+        return ptr.to(tl.pointer_type(tl.int16))
+    else:
+        return ptr.to(tl.pointer_type(tl.int32))
+
+
+@triton.jit(do_not_specialize=_ENCODE_UNSPECIALIZED, do_not_specialize_on_alignment=_ENCODE_UNSPECIALIZED)
 def _encode_kernel(
     x_ptr,
-    numel,
-    masks_ptr,
-    tile_words_ptr,
     stream_ptr,
-    values_ptr,
+    fixed_ptr,
     cursor_ptr,
     appends_ptr,
     base_ptr,
     report_ptr,
-    capacity,
     nonzeros_ptr,
     scratch_ptr,
+    numel,
+    capacity,
     num_tiles,
     num_programs,
     tiles_per_program,
@@ -109,6 +140,7 @@ def _encode_kernel(
     OVERLAPPING_VALUES: tl.constexpr = 31 // PACKED_BITS + 2
     pid = tl.program_id(0)
     offsets = tl.arange(0, TILE)
+    tile_words_ptr = fixed_ptr + num_tiles * MASK_WORDS
     # The cursor moves only when every program has finished (below), so all read the same.
     base = tl.load(cursor_ptr)
     if pid == 0:
@@ -118,11 +150,11 @@ def _encode_kernel(
         tile = pid + step * num_programs
         real = tile < num_tiles
         index = tile * TILE + offsets
-        x = tl.load(x_ptr + index, mask=real & (index < numel), other=0)
+        x = _as_bits(tl.load(x_ptr + index, mask=real & (index < numel), other=0), BITS)
         nonzero = x != 0
         words = _mask_words(nonzero, MASK_WORDS)
         tl.store(
-            masks_ptr + tile * MASK_WORDS + tl.arange(0, MASK_WORDS),
+            fixed_ptr + tile * MASK_WORDS + tl.arange(0, MASK_WORDS),
             words.to(tl.int32, bitcast=True),
             mask=real,
         )
@@ -139,7 +171,7 @@ def _encode_kernel(
         start = base + offset
         tl.store(tile_words_ptr + tile, offset.to(tl.int32) | (packed.to(tl.int32) << 31), mask=real)
         fits = start + length <= capacity
-        raw_values = values_ptr + start * VALUES_PER_WORD
+        raw_values = _bits_pointer(stream_ptr, BITS) + start * VALUES_PER_WORD
         tl.store(raw_values + rank, x, mask=nonzero & fits & (not packed))
         # Zero the unused slots of the tile's last word, so the stream's bytes are defined.
         padding = count + tl.arange(0, VALUES_PER_WORD)
@@ -176,15 +208,14 @@ def _encode_kernel(
             tl.store(report_ptr, end + 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_DECODE_UNSPECIALIZED, do_not_specialize_on_alignment=_DECODE_UNSPECIALIZED)
 def _decode_kernel(
-    masks_ptr,
-    tile_words_ptr,
-    stream_ptr,
-    values_ptr,
-    base_ptr,
     out_ptr,
+    stream_ptr,
+    fixed_ptr,
+    base_ptr,
     numel,
+    num_tiles,
     TILE: tl.constexpr,
     BITS: tl.constexpr,
     MAY_BE_PACKED: tl.constexpr,
@@ -198,13 +229,13 @@ def _decode_kernel(
     # Each program restores one part of a tile: more, smaller programs hide more latency.
     tile = tl.program_id(0) // PARTS
     offsets = (tl.program_id(0) % PARTS) * PART + tl.arange(0, PART)
-    words = tl.load(masks_ptr + tile * MASK_WORDS + tl.arange(0, MASK_WORDS))
+    words = tl.load(fixed_ptr + tile * MASK_WORDS + tl.arange(0, MASK_WORDS))
     rank, word, _ = _tile_ranks(words.to(tl.uint32, bitcast=True), offsets, HW_POPC)
     nonzero = ((word >> (offsets % 32).to(tl.uint32)) & 1) != 0
-    tile_word = tl.load(tile_words_ptr + tile)
+    tile_word = tl.load(fixed_ptr + num_tiles * MASK_WORDS + tile)
     packed = tile_word < 0
     start = tl.load(base_ptr) + (tile_word & 0x7FFFFFFF)
-    x = tl.load(values_ptr + start * VALUES_PER_WORD + rank, mask=nonzero & (not packed), other=0)
+    x = tl.load(_bits_pointer(stream_ptr, BITS) + start * VALUES_PER_WORD + rank, mask=nonzero & (not packed), other=0)
     if MAY_BE_PACKED:
         bit = rank * PACKED_BITS
         word = start + (bit >> 5)
@@ -217,10 +248,56 @@ def _decode_kernel(
         value = (low | high) & ((1 << PACKED_BITS) - 1)
         x = tl.where(packed, value.to(x.dtype), x)
     index = tile * TILE + offsets
-    tl.store(out_ptr + index, x, mask=index < numel)
+    tl.store(out_ptr + index, x.to(out_ptr.dtype.element_ty, bitcast=True), mask=index < numel)
 
 
 INTERPRETED = isinstance(_decode_kernel, InterpretedFunction)
+
+
+class _Launcher:
+    """Launches a jitted kernel through the compiled kernel Triton chose for the same key.
+
+    ``JITFunction.run`` binds and specializes every argument on every call, which was most
+    of a launch's host time (docs/benchmarks.md). The kernels here leave most arguments
+    unspecialized, so a key of the rest (dtypes, the alignment of a few pointers, the
+    element count's divisibility), the constexprs and the launch options determines the
+    compiled kernel: the first launch with a key goes through Triton and keeps what it
+    compiled, later ones call it directly. A GPU test checks that Triton agrees.
+    """
+
+    def __init__(self, kernel):
+        self._kernel = kernel
+        self._compiled: dict[tuple, object] = {}
+
+    def __call__(self, grid: int, device: int, key: tuple, args: tuple, num_warps: int) -> None:
+        """Launch ``grid`` programs on CUDA device ``device`` with ``args`` (every parameter,
+        constexprs included, in order); ``key`` must determine Triton's specialization."""
+        if INTERPRETED:
+            self._kernel[(grid,)](*args, num_warps=num_warps)
+            return
+        if device != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                self(grid, device, key, args, num_warps)
+            return
+        key = (device, num_warps) + key
+        compiled = self._compiled.get(key)
+        if compiled is None or _launch_hooks_set():
+            # Triton's own path: compiles on first use, and runs any launch hooks (profilers).
+            self._compiled[key] = self._kernel[(grid,)](*args, num_warps=num_warps)
+            return
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+
+
+def _launch_hooks_set() -> bool:
+    """Whether a launch hook (a profiler's) is installed: a ``HookChain`` with calls since
+    Triton 3.5, a callable or None before."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+_encode_launcher = _Launcher(_encode_kernel)
+_decode_launcher = _Launcher(_decode_kernel)
 
 
 def check_device(device: torch.device) -> None:
@@ -233,64 +310,87 @@ def check_device(device: torch.device) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _encode_programs(device: torch.device) -> int:
+def _encode_programs(device: int) -> int:
     if INTERPRETED:
         return INTERPRETER_PROGRAMS
     return torch.cuda.get_device_properties(device).multi_processor_count * ENCODE_PROGRAMS_PER_SM
 
 
-def encode(bits, masks, tile_words, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros=None, report=None):
-    num_tiles, tile = masks.shape[0], geometry.tile_size
+@functools.lru_cache(maxsize=None)
+def _packed_words_block(tile: int, packed_bits: int) -> int:
+    """Output words a sign-packed tile can take, rounded up to a power of two."""
+    return triton.next_power_of_2(-(-tile * packed_bits // WORD_BITS))
+
+
+def _kernel_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the kernels take it: float8 as int8 (the interpreter cannot load float8; the
+    kernels read every value's bits anyway)."""
+    return t.view(torch.int8) if t.element_size() == 1 else t
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def _int_class(n: int) -> tuple[bool, bool]:
+    """What Triton specializes a (32-bit) integer argument on: being 1, a multiple of 16."""
+    return n == 1, n % 16 == 0
+
+
+def encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros=None, report=None):
+    x = _kernel_view(x)
+    tile = geometry.tile_size
+    numel = x.numel()
+    num_tiles = -(-numel // tile)
+    device = x.get_device()
     # Only sign packing needs a persistent grid (for its per-program scratch); without it one
     # program per tile measured faster (docs/benchmarks.md).
-    programs = min(num_tiles, _encode_programs(bits.device)) if sign_pack else num_tiles
-    scratch = torch.empty(programs * tile, dtype=bits.dtype, device=bits.device) if sign_pack else bits
-    packed_words = triton.next_power_of_2(-(-tile * spec.packed_bits // WORD_BITS))
-    _encode_kernel[(programs,)](
-        bits,
-        bits.numel(),
-        masks,
-        tile_words,
+    if sign_pack:
+        programs = min(num_tiles, _encode_programs(device))
+        scratch = torch.empty(programs * tile, dtype=spec.bits_dtype, device=x.device)
+    else:
+        programs, scratch = num_tiles, x
+    capacity = stream.numel() - 1
+    tiles_per_program = -(-num_tiles // programs)
+    constexprs = (
+        tile,
+        spec.bits,
+        sign_pack,
+        _packed_words_block(tile, spec.packed_bits),
+        nonzeros is not None,
+        report is not None,
+        not INTERPRETED,
+    )
+    args = (
+        x,
         stream,
-        stream.view(bits.dtype),
+        fixed,
         cursor,
         appends,
         base,
         base if report is None else report,
-        stream.numel() - 1,
         cursor if nonzeros is None else nonzeros,
         scratch,
+        numel,
+        capacity,
         num_tiles,
         programs,
-        -(-num_tiles // programs),
-        TILE=tile,
-        BITS=spec.bits,
-        SIGN_PACK=sign_pack,
-        PACKED_WORDS_BLOCK=packed_words,
-        COUNT_NONZEROS=nonzeros is not None,
-        REPORT=report is not None,
-        HW_POPC=not INTERPRETED,
-        num_warps=ENCODE_NUM_WARPS,
-    )
+        tiles_per_program,
+    ) + constexprs
+    key = (x.dtype, _aligned(x), _aligned(stream), _aligned(fixed), _int_class(numel), _int_class(tiles_per_program))
+    key += (capacity >= 1 << 31,) + constexprs
+    _encode_launcher(programs, device, key, args, ENCODE_NUM_WARPS)
 
 
-def decode(masks, tile_words, stream, base, out, spec, geometry, sign_pack):
-    num_tiles = masks.shape[0]
+def decode(fixed, stream, base, out, spec, geometry, sign_pack):
+    out = _kernel_view(out)
+    tile = geometry.tile_size
+    numel = out.numel()
+    num_tiles = -(-numel // tile)
     if num_tiles == 0:
         return
     parts = DECODE_PARTS[sign_pack]
-    _decode_kernel[(num_tiles * parts,)](
-        masks,
-        tile_words,
-        stream,
-        stream.view(out.dtype),
-        base,
-        out,
-        out.numel(),
-        TILE=geometry.tile_size,
-        BITS=spec.bits,
-        MAY_BE_PACKED=sign_pack,
-        HW_POPC=not INTERPRETED,
-        PARTS=parts,
-        num_warps=DECODE_NUM_WARPS,
-    )
+    constexprs = (tile, spec.bits, sign_pack, not INTERPRETED, parts)
+    args = (out, stream, fixed, base, numel, num_tiles) + constexprs
+    key = (out.dtype, _aligned(out), _aligned(stream), _aligned(fixed), _int_class(numel)) + constexprs
+    _decode_launcher(num_tiles * parts, out.get_device(), key, args, DECODE_NUM_WARPS)
