@@ -288,8 +288,15 @@ def decompress(c: CompressedTensor, *, backend: str | None = None) -> torch.Tens
     return decompress_unchecked(c, get_codec(backend, c.device))
 
 
-def decompress_unchecked(c: CompressedTensor, codec: Codec) -> torch.Tensor:
-    """``decompress`` with a codec the caller already chose (``get_codec``) for ``c``'s device."""
+def decompress_unchecked(c: CompressedTensor, codec: Codec, *, with_square: bool = False):
+    """``decompress`` with a codec the caller already chose (``get_codec``) for ``c``'s device.
+
+    With ``with_square`` (float16, bfloat16 and float32 only), returns ``(x, square)``: the
+    restored tensor and its elementwise square as ``torch.square`` would compute it on the
+    same device, made in the same pass (the caller checks that they agree, see
+    ``bitsparse.hooks.handles.StoredTensor.squared``).
+    """
     out = torch.empty(c.shape, dtype=c.dtype, device=c.fixed.device)
-    codec.decode(c.fixed, c.values.words, c.base, out, dtype_spec(c.dtype), c.geometry, c.sign_pack)
-    return out
+    square = torch.empty_like(out) if with_square else None
+    codec.decode(c.fixed, c.values.words, c.base, out, dtype_spec(c.dtype), c.geometry, c.sign_pack, square)
+    return (out, square) if with_square else out

@@ -14,6 +14,7 @@ import torch
 
 from bitsparse.codecs import Codec
 from bitsparse.compressed import CompressedTensor, decompress_unchecked
+from bitsparse.format import dtype_spec
 
 
 class Handle:
@@ -78,7 +79,31 @@ class StoredTensor(Handle):
     def _restore(self) -> torch.Tensor:
         if self.dense is not None:
             return self.dense
-        restored = decompress_unchecked(self.compressed, self.codec)
+        return self._in_original_order(decompress_unchecked(self.compressed, self.codec))
+
+    def squared(self) -> torch.Tensor:
+        """The elementwise square of the restored tensor, as ``torch.square`` computes it.
+
+        When this backward has not restored the tensor yet, it is decoded together with its
+        square in one pass and kept for this handle's own slots, as ``tensor()`` would.
+        The first square decoded so for each dtype and device type is compared with
+        ``torch.square`` (one synchronization); if they differ, ``torch.square`` is used
+        for that dtype and device type from then on.
+        """
+        key = (self.compressed.dtype, self.compressed.device.type) if self.compressed is not None else None
+        if self._cache is not None or self.dense is not None or not _fused_square_exact.get(key, True):
+            return torch.square(self.tensor())
+        value, square = decompress_unchecked(self.compressed, self.codec, with_square=True)
+        if key not in _fused_square_exact:
+            bits = dtype_spec(value.dtype).bits_dtype
+            _fused_square_exact[key] = torch.equal(torch.square(value).view(bits), square.view(bits))
+            if not _fused_square_exact[key]:
+                square = torch.square(value)
+        self._cache = self._in_original_order(value)
+        return self._in_original_order(square)
+
+    def _in_original_order(self, restored: torch.Tensor) -> torch.Tensor:
+        """``restored`` (in memory order) with the original tensor's dims and strides."""
         if not self.order:
             return restored
         inverse = sorted(range(len(self.order)), key=self.order.__getitem__)
@@ -86,6 +111,32 @@ class StoredTensor(Handle):
 
     def __del__(self):
         self.lease.release()
+
+
+_fused_square_exact: dict[tuple[torch.dtype, str], bool] = {
+    (dtype, device): False
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)  # PyTorch squares no float8 tensor
+    for device in ("cpu", "cuda")
+}
+"""Whether the codec's fused square matched ``torch.square``, by dtype and device type."""
+
+
+class SquareOf(Handle):
+    """The square of the whole tensor a ``StoredTensor`` restores (``relu(x) ** 2`` saved
+    for backward), decoded in the same pass as the tensor (see ``StoredTensor.squared``).
+
+    ``size``, ``stride`` and ``offset`` place the square's saved view in the new tensor.
+    """
+
+    __slots__ = ("offset", "size", "source", "stride")
+
+    def __init__(self, source: StoredTensor, like: torch.Tensor):
+        super().__init__()
+        self.source = source
+        self.size, self.stride, self.offset = like.shape, like.stride(), like.storage_offset()
+
+    def _restore(self) -> torch.Tensor:
+        return self.source.squared().as_strided(self.size, self.stride, self.offset)
 
 
 class ViewOf(Handle):

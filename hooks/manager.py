@@ -22,7 +22,7 @@ from bitsparse.allocator import Arena
 from bitsparse.codecs import get_codec
 from bitsparse.compressed import MAX_NUMEL, compress_unchecked
 from bitsparse.format import SUPPORTED_DTYPES, TileGeometry
-from bitsparse.hooks.handles import Handle, Recomputed, StoredTensor, ViewOf
+from bitsparse.hooks.handles import Handle, Recomputed, SquareOf, StoredTensor, ViewOf
 from bitsparse.hooks.provenance import Marks, Provenance, classify_node, node_key, span_end, squared_input
 
 SELECTIONS = ("relu", "all")
@@ -401,7 +401,10 @@ class Session:
             handle._cache = None  # nothing decoded stays alive
         if not self._recompute_verified[key]:
             return None
-        recomputed_handle = Recomputed(source_view, torch.square, result, 0)
+        if isinstance(handle, StoredTensor) and _whole(handle, shape, offset - start):
+            recomputed_handle = SquareOf(handle, result)  # decoded with its source, in one pass
+        else:
+            recomputed_handle = Recomputed(source_view, torch.square, result, 0)
         self._remember(result, recomputed_handle)
         return recomputed_handle, 0
 
@@ -464,6 +467,11 @@ class Session:
             self._arenas.clear()
             self._unprofitable.clear()
             self._recompute_verified.clear()
+
+
+def _whole(handle: StoredTensor, shape: torch.Size, offset: int) -> bool:
+    """Whether the contiguous view of ``shape`` at ``offset`` in what ``handle`` stores is all of it."""
+    return handle.compressed is not None and offset == 0 and shape == handle.compressed.shape
 
 
 def _same_geometry(handle: Handle, t: torch.Tensor, start: int) -> bool:

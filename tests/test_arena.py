@@ -11,11 +11,11 @@ import math
 
 import pytest
 import torch
+from helpers import assert_bitwise_equal, generator, make_input
 
 from bitsparse import TileGeometry, ValueBuffer, compress, decompress
 from bitsparse.allocator import Arena, ArenaUsage, Lease
 from bitsparse.allocator.arena import GROW_WHEN_ABOVE, HEADROOM, WORD_BYTES
-from helpers import assert_bitwise_equal, generator, make_input
 
 GEOMETRY = TileGeometry()
 

@@ -10,11 +10,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from bitsparse import CompressedTensor, TileGeometry, ValueBuffer, compress, decompress
-from bitsparse.format import PACKED_TILE_FLAG, compressed_nbytes, dtype_spec
 from helpers import (
     DTYPES,
     SPECIALS,
@@ -30,6 +25,13 @@ from helpers import (
     special_patterns,
     to_unsigned_numpy,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bitsparse import CompressedTensor, TileGeometry, ValueBuffer, compress, decompress
+from bitsparse.codecs import get_codec
+from bitsparse.compressed import decompress_unchecked
+from bitsparse.format import PACKED_TILE_FLAG, compressed_nbytes, dtype_spec
 
 BACKEND = "torch"
 ZERO_FRACTIONS = [0.0, 0.06, 0.5, 0.9, 0.999, 1.0]
@@ -626,6 +628,19 @@ def test_fixed_words(sign_pack):
 
 def test_successive_appends_report_their_ends():
     check_successive_appends(BACKEND)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=dtype_id)
+def test_decode_writes_the_square(dtype):
+    """The square a decode can write alongside is torch.square's, for every bit pattern,
+    in the tensor's shape (the hooks restore a ReLU output and its square in one pass)."""
+    g = generator("square", dtype)
+    x = random_bits(3 * 4096 + 17, dtype, g).view(1, -1)
+    x.view(dtype_spec(dtype).bits_dtype)[torch.rand(x.shape, generator=g) < 0.5] = 0
+    value, square = decompress_unchecked(compress(x, backend=BACKEND), get_codec(BACKEND, x.device), with_square=True)
+    assert value.shape == square.shape == x.shape
+    assert_bitwise_equal(value, x)
+    assert_bitwise_equal(square, torch.square(x))
 
 
 def test_value_buffer_wrap_shares_a_cursor():

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from helpers import DTYPE_IDS, dtype_id
 
 from bitsparse import format as fmt
 from bitsparse.format import (
@@ -16,7 +17,6 @@ from bitsparse.format import (
     dtype_spec,
     tile_stream_words,
 )
-from helpers import DTYPE_IDS, dtype_id
 
 SUPPORTED_NAMES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 

@@ -15,11 +15,13 @@ from helpers import (
     dtype_id,
     expected_tile_stats,
     make_input,
+    random_bits,
     seed_of,
 )
 
 from bitsparse import TileGeometry, ValueBuffer, compress, decompress
-from bitsparse.codecs import triton_codec
+from bitsparse.codecs import get_codec, triton_codec
+from bitsparse.compressed import decompress_unchecked
 from bitsparse.format import compressed_nbytes, dtype_spec
 
 pytestmark = [
@@ -148,6 +150,19 @@ def test_launch_key_determines_the_compiled_kernel(monkeypatch):
     x = make_input(2 * triton_codec._encode_programs(torch.cuda.current_device()) * 4096 + 5, torch.bfloat16, 0.5, g)
     assert_bitwise_equal(decompress(compress(x, sign_pack=True)), x)
     assert len(launches) == 2 * (2 * 5 + len(GPU_DTYPES) + 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=dtype_id)
+@pytest.mark.parametrize("sign_pack", [False, True], ids=["raw", "signpack"])
+def test_decode_writes_the_square(dtype, sign_pack):
+    """The compiled decoder's square is torch.square's on CUDA, for every bit pattern."""
+    g = cuda_generator("square", dtype)
+    x = random_bits(2**22 + 5, dtype, g)
+    x.view(dtype_spec(dtype).bits_dtype)[torch.rand(x.numel(), generator=g, device="cuda") < 0.5] = 0
+    c = compress(x, sign_pack=sign_pack, backend="triton")
+    value, square = decompress_unchecked(c, get_codec("triton", x.device), with_square=True)
+    assert_bitwise_equal(value, x)
+    assert_bitwise_equal(square, torch.square(x))
 
 
 def test_successive_appends_report_into_pinned_memory():

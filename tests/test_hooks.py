@@ -17,13 +17,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import assert_bitwise_equal
 from torch.utils.checkpoint import checkpoint
 
 import bitsparse
 from bitsparse import training
+from bitsparse.codecs import torch_codec
 from bitsparse.format import TileGeometry, compressed_nbytes, dtype_spec
+from bitsparse.hooks import handles
 from bitsparse.hooks.manager import Options, Stats
-from helpers import assert_bitwise_equal
 
 SESSION = training._session
 MIN_NUMEL = 1024
@@ -276,6 +278,41 @@ def test_each_relu_squared_spelling(variant):
     x = sequence_input()
     (s, _) = check_exact(model, x)
     assert s.tensors_compressed == 1 and s.tensors_recomputed == 1, str(s)
+
+
+def _count_fused_decodes(monkeypatch, corrupt: bool = False) -> list[bool]:
+    """Record, for every decode the hooks run, whether it also wrote the square; with
+    ``corrupt``, flip one bit of every square the codec writes."""
+    calls = []
+    decode = torch_codec.decode
+
+    def recording_decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None):
+        decode(fixed, stream, base, out, spec, geometry, sign_pack, square)
+        calls.append(square is not None)
+        if corrupt and square is not None:
+            square.view(-1).view(torch.int32 if square.dtype == torch.float32 else torch.int16)[0] ^= 1
+
+    monkeypatch.setattr(torch_codec, "decode", recording_decode)
+    monkeypatch.setattr(handles, "_fused_square_exact", {})
+    return calls
+
+
+def test_square_decodes_with_its_relu(monkeypatch):
+    # Each block's ReLU output and its square come from one decode, three per backward; the
+    # first forward decodes once more, to check the recomputed square against its own.
+    calls = _count_fused_decodes(monkeypatch)
+    model, x = transformer(), sequence_input()
+    check_exact(model, x, steps=2)
+    assert calls == [False] + [True] * 6
+    assert handles._fused_square_exact == {(torch.float32, "cpu"): True}
+
+
+def test_a_fused_square_that_differs_falls_back(monkeypatch):
+    calls = _count_fused_decodes(monkeypatch, corrupt=True)
+    model, x = transformer(), sequence_input()
+    check_exact(model, x, steps=2)  # still exact: the first fused square was checked
+    assert handles._fused_square_exact == {(torch.float32, "cpu"): False}
+    assert calls == [False, True] + [False] * 5  # from then on the square comes from torch.square
 
 
 def test_transformer_without_recomputed_squares_exact():

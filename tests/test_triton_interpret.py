@@ -16,9 +16,6 @@ pytest.importorskip("triton")
 if torch.cuda.is_available():
     pytest.skip("CUDA is available: test_gpu_codec.py covers the triton backend", allow_module_level=True)
 
-from bitsparse import TileGeometry, ValueBuffer, compress, decompress  # noqa: E402
-from bitsparse.codecs import triton_codec  # noqa: E402
-from bitsparse.format import dtype_spec  # noqa: E402
 from helpers import (  # noqa: E402
     DTYPES,
     assert_bitwise_equal,
@@ -32,6 +29,11 @@ from helpers import (  # noqa: E402
     random_bits,
     to_unsigned_numpy,
 )
+
+from bitsparse import TileGeometry, ValueBuffer, compress, decompress  # noqa: E402
+from bitsparse.codecs import get_codec, triton_codec  # noqa: E402
+from bitsparse.compressed import decompress_unchecked  # noqa: E402
+from bitsparse.format import dtype_spec  # noqa: E402
 
 if not triton_codec.INTERPRETED:
     pytest.skip(
@@ -111,6 +113,18 @@ def test_random_bit_patterns(dtype, sign_pack):
     x = random_bits(3 * 4096 + 17, dtype, g)
     x.view(dtype_spec(dtype).bits_dtype)[torch.rand(x.numel(), generator=g) < 0.5] = 0
     cross_decode(encode_both(x, sign_pack), x)
+
+
+def test_decode_writes_the_square():
+    """The square a decode can write alongside is torch.square's, for every float32 bit
+    pattern. Only float32 here: the interpreter rounds float32 to bfloat16 by truncation and
+    makes other NaNs than the GPU; ``test_gpu_codec.py`` checks the 16-bit dtypes compiled."""
+    g = generator("square", torch.float32)
+    x = random_bits(3 * 4096 + 17, torch.float32, g)
+    x.view(torch.int32)[torch.rand(x.numel(), generator=g) < 0.5] = 0
+    value, square = decompress_unchecked(compress(x, backend="triton"), get_codec("triton", x.device), with_square=True)
+    assert_bitwise_equal(value, x)
+    assert_bitwise_equal(square, torch.square(x))
 
 
 @pytest.mark.parametrize("tile_size", [32, 256])

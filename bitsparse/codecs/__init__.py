@@ -18,10 +18,13 @@ device tensor. Neither entry point synchronizes with the host.
     is incremented by the number of stored elements (for statistics), and ``report`` (int64
     ``[1]``, zero) receives the new cursor plus one as the last thing the call writes.
 
-``decode(fixed, stream, base, out, spec, geometry, sign_pack)``
+``decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None)``
     Writes every element of ``out`` (a contiguous tensor of ``spec.dtype``, restored in
     flattened order). ``sign_pack`` says whether packed tiles may occur (a fast path when
-    they cannot).
+    they cannot). When given, ``square`` (like ``out``; float16, bfloat16 or float32 only)
+    receives the elementwise square of the result as ``torch.square`` computes it, in the
+    same pass: backward needs both a ReLU's output and its square, and rereading the output
+    to square it cost as much memory traffic as decoding it.
 
 Backends: ``"torch"`` (vectorised PyTorch, any device) and ``"triton"`` (CUDA, or the CPU under
 ``TRITON_INTERPRET=1``). Both write the same masks and tile encodings; the order of tiles in
@@ -71,6 +74,7 @@ class Codec(Protocol):
         spec: DTypeSpec,
         geometry: TileGeometry,
         sign_pack: bool,
+        square: torch.Tensor | None = None,
     ) -> None: ...
 
 

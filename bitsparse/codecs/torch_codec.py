@@ -118,7 +118,7 @@ def encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, n
         report.copy_(cursor + 1, non_blocking=True)
 
 
-def decode(fixed, stream, base, out, spec, geometry, sign_pack):
+def decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None):
     masks, tile_words = split_fixed(fixed, geometry)
     num_tiles = masks.shape[0]
     if num_tiles == 0:
@@ -136,3 +136,5 @@ def decode(fixed, stream, base, out, spec, geometry, sign_pack):
     value = ((low >> shift) | (high << (WORD_BITS - shift))) & ((1 << width) - 1)
     value = torch.where(nonzero, value, 0).flatten()[: out.numel()]
     out.view(spec.bits_dtype).view(-1).copy_(wrap_signed(value, spec.bits_dtype))
+    if square is not None:
+        torch.square(out, out=square)

@@ -211,6 +211,7 @@ def _encode_kernel(
 @triton.jit(do_not_specialize=_DECODE_UNSPECIALIZED, do_not_specialize_on_alignment=_DECODE_UNSPECIALIZED)
 def _decode_kernel(
     out_ptr,
+    square_ptr,
     stream_ptr,
     fixed_ptr,
     base_ptr,
@@ -221,6 +222,7 @@ def _decode_kernel(
     MAY_BE_PACKED: tl.constexpr,
     HW_POPC: tl.constexpr,
     PARTS: tl.constexpr,
+    SQUARE: tl.constexpr,
 ):
     MASK_WORDS: tl.constexpr = TILE // 32
     VALUES_PER_WORD: tl.constexpr = 32 // BITS
@@ -248,7 +250,12 @@ def _decode_kernel(
         value = (low | high) & ((1 << PACKED_BITS) - 1)
         x = tl.where(packed, value.to(x.dtype), x)
     index = tile * TILE + offsets
-    tl.store(out_ptr + index, x.to(out_ptr.dtype.element_ty, bitcast=True), mask=index < numel)
+    value = x.to(out_ptr.dtype.element_ty, bitcast=True)
+    tl.store(out_ptr + index, value, mask=index < numel)
+    if SQUARE:
+        # As PyTorch squares: in float32, rounded to nearest even.
+        wide = value.to(tl.float32)
+        tl.store(square_ptr + index, (wide * wide).to(out_ptr.dtype.element_ty), mask=index < numel)
 
 
 INTERPRETED = isinstance(_decode_kernel, InterpretedFunction)
@@ -382,7 +389,7 @@ def encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, n
     _encode_launcher(programs, device, key, args, ENCODE_NUM_WARPS)
 
 
-def decode(fixed, stream, base, out, spec, geometry, sign_pack):
+def decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None):
     out = _kernel_view(out)
     tile = geometry.tile_size
     numel = out.numel()
@@ -390,7 +397,7 @@ def decode(fixed, stream, base, out, spec, geometry, sign_pack):
     if num_tiles == 0:
         return
     parts = DECODE_PARTS[sign_pack]
-    constexprs = (tile, spec.bits, sign_pack, not INTERPRETED, parts)
-    args = (out, stream, fixed, base, numel, num_tiles) + constexprs
-    key = (out.dtype, _aligned(out), _aligned(stream), _aligned(fixed), _int_class(numel)) + constexprs
-    _decode_launcher(num_tiles * parts, out.get_device(), key, args, DECODE_NUM_WARPS)
+    constexprs = (tile, spec.bits, sign_pack, not INTERPRETED, parts, square is not None)
+    args = (out, out if square is None else square, stream, fixed, base, numel, num_tiles) + constexprs
+    key = (out.dtype, _aligned(out), _aligned(args[1]), _aligned(stream), _aligned(fixed), _int_class(numel))
+    _decode_launcher(num_tiles * parts, out.get_device(), key + constexprs, args, DECODE_NUM_WARPS)
