@@ -369,9 +369,8 @@ class Session:
     def _find_stored(self, t: torch.Tensor) -> tuple[Handle, int] | None:
         """A handle already restoring ``t``'s elements (the same storage saved again)."""
         offset, end = t.storage_offset(), span_end(t)
-        for start, stop, dtype, handle_ref, storage_ref in self._stored.get(
-            (t.untyped_storage().data_ptr(), t._version), ()
-        ):
+        storage_address = t.data_ptr() - offset * t.element_size()  # without making a storage object
+        for start, stop, dtype, handle_ref, storage_ref in self._stored.get((storage_address, t._version), ()):
             handle = handle_ref()
             if storage_ref() is not None and handle is not None and dtype == t.dtype and start <= offset and end <= stop:
                 return handle, start

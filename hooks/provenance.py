@@ -72,23 +72,23 @@ def _nonnegative(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
 
 
-# What a node type means here. Rules read saved scalars only: reading a saved tensor would
-# run the unpack hook (and decode).
+# What a node type means here: a kind, or a rule that reads the node's saved scalars (not
+# its saved tensors: reading one would run the unpack hook, and decode).
 _OTHER, _VIEW, _HIDDEN, _RELU, _SQUARE = range(5)
 _RULES = {
-    "ReluBackward0": lambda node: _RELU,
+    "ReluBackward0": _RELU,
     "ClampMinBackward0": lambda node: _RELU if _nonnegative(node._saved_min) else _OTHER,
     "ClampBackward1": lambda node: _RELU if _nonnegative(node._saved_min) else _OTHER,
     "HardtanhBackward0": lambda node: _RELU if _nonnegative(node._saved_min_val) else _OTHER,  # relu6 too
     # CopySlices hides the in-place op on a view; threshold's node does not keep its value.
-    "CopySlices": lambda node: _HIDDEN,
-    "ThresholdBackward0": lambda node: _HIDDEN,
+    "CopySlices": _HIDDEN,
+    "ThresholdBackward0": _HIDDEN,
     "PowBackward0": lambda node: _SQUARE if node._saved_exponent == 2 else _OTHER,
     "MulBackward0": lambda node: _SQUARE if _same_edge_twice(node) else _OTHER,
-    **dict.fromkeys(_VALUE_PRESERVING, lambda node: _VIEW),
+    **dict.fromkeys(_VALUE_PRESERVING, _VIEW),
 }
 _rule_of_class: dict[type, object] = {}
-"""``_RULES`` by node class (most saved tensors' nodes match no rule: one lookup says so)."""
+"""``_RULES`` by node class: every pack looks its saved tensor's node up here."""
 
 
 def _same_edge_twice(node) -> bool:
@@ -100,8 +100,8 @@ def _kind(node) -> int:
     cls = type(node)
     rule = _rule_of_class.get(cls)
     if rule is None:
-        rule = _rule_of_class[cls] = _RULES.get(cls.__name__, False)
-    return rule(node) if rule else _OTHER
+        rule = _rule_of_class[cls] = _RULES.get(cls.__name__, _OTHER)
+    return rule if rule.__class__ is int else rule(node)
 
 
 def squared_input(node):
@@ -120,12 +120,12 @@ def classify_node(node) -> Provenance | None:
         if node is None:
             return None
         kind = _kind(node)
+        if kind == _OTHER:
+            return None
         if kind == _RELU:
             return Provenance.RELU
         if kind == _HIDDEN:
             return Provenance.HIDDEN
-        if kind == _OTHER:
-            return None
         node = node.next_functions[0][0]
     return None
 
