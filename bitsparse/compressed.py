@@ -292,9 +292,10 @@ def decompress_unchecked(c: CompressedTensor, codec: Codec, *, with_square: bool
     """``decompress`` with a codec the caller already chose (``get_codec``) for ``c``'s device.
 
     With ``with_square`` (float16, bfloat16 and float32 only), returns ``(x, square)``: the
-    restored tensor and its elementwise square as ``torch.square`` would compute it on the
-    same device, made in the same pass (the caller checks that they agree, see
-    ``bitsparse.hooks.handles.StoredTensor.squared``).
+    restored tensor and its elementwise square, made in the same pass and computed as
+    ``torch.square`` computes it (float32 arithmetic rounded to nearest even). A caller that
+    needs the square bit-identical to ``torch.square``'s checks it once per dtype and device:
+    an implementation may round differently (Triton's interpreter truncates to bfloat16).
     """
     out = torch.empty(c.shape, dtype=c.dtype, device=c.fixed.device)
     square = torch.empty_like(out) if with_square else None

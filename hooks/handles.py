@@ -86,12 +86,14 @@ class StoredTensor(Handle):
 
         When this backward has not restored the tensor yet, it is decoded together with its
         square in one pass and kept for this handle's own slots, as ``tensor()`` would.
-        The first square decoded so for each dtype and device type is compared with
+        The first square decoded this way for each dtype and device type is compared with
         ``torch.square`` (one synchronization); if they differ, ``torch.square`` is used
         for that dtype and device type from then on.
         """
-        key = (self.compressed.dtype, self.compressed.device.type) if self.compressed is not None else None
-        if self._cache is not None or self.dense is not None or not _fused_square_exact.get(key, True):
+        if self._cache is not None or self.dense is not None:
+            return torch.square(self.tensor())
+        key = (self.compressed.dtype, self.compressed.device.type)
+        if key[0] not in FUSED_SQUARE_DTYPES or _fused_square_exact.get(key) is False:
             return torch.square(self.tensor())
         value, square = decompress_unchecked(self.compressed, self.codec, with_square=True)
         if key not in _fused_square_exact:
@@ -113,11 +115,9 @@ class StoredTensor(Handle):
         self.lease.release()
 
 
-_fused_square_exact: dict[tuple[torch.dtype, str], bool] = {
-    (dtype, device): False
-    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)  # PyTorch squares no float8 tensor
-    for device in ("cpu", "cuda")
-}
+FUSED_SQUARE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Dtypes whose square the codecs can write while decoding."""
+_fused_square_exact: dict[tuple[torch.dtype, str], bool] = {}
 """Whether the codec's fused square matched ``torch.square``, by dtype and device type."""
 
 

@@ -14,7 +14,10 @@ compacted there first, then each output word is assembled from the at most
 
 Decoding runs one program per tile (per quarter tile when tiles may be packed): the same
 rank computation, then a gather (raw values) or a two-word funnel shift (packed values) for
-every set bit, and a dense store of the tile.
+every set bit, and a dense store of the tile (and, when asked, of its square).
+
+The kernels are launched through their compiled form (``_Launcher``), which skips most of
+the host time of a Triton launch.
 
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors; the interpreter has no popcount
 instruction, so a SWAR popcount is compiled in instead of ``libdevice.popc``.
@@ -44,8 +47,8 @@ INTERPRETER_PROGRAMS = 3  # enough to exercise the persistent loop under the int
 
 # Arguments Triton must not specialize on (integer values, pointer alignment): the compiled
 # kernel then depends only on what ``_Launcher``'s key holds. Kept: the alignment of the
-# dense tensor, the stream and the masks, and Triton's classes of the element count and of
-# the tiles per program (vectorized loads and stores; a loop known to run once).
+# dense tensors, the stream and the fixed part, and Triton's classes of the element count and
+# of the tiles per program (vectorized loads and stores; a loop known to run once).
 _ENCODE_UNSPECIALIZED = [
     "cursor_ptr", "appends_ptr", "base_ptr", "report_ptr", "nonzeros_ptr", "scratch_ptr",
     "capacity", "num_tiles", "num_programs",
@@ -399,5 +402,6 @@ def decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None):
     parts = DECODE_PARTS[sign_pack]
     constexprs = (tile, spec.bits, sign_pack, not INTERPRETED, parts, square is not None)
     args = (out, out if square is None else square, stream, fixed, base, numel, num_tiles) + constexprs
-    key = (out.dtype, _aligned(out), _aligned(args[1]), _aligned(stream), _aligned(fixed), _int_class(numel))
+    key = (out.dtype, args[1].dtype, _aligned(out), _aligned(args[1]), _aligned(stream), _aligned(fixed))
+    key += (_int_class(numel),)
     _decode_launcher(num_tiles * parts, out.get_device(), key + constexprs, args, DECODE_NUM_WARPS)
