@@ -175,12 +175,6 @@ def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
     return order if t.permute(order).is_contiguous() else None
 
 
-def _is_parameter(t: torch.Tensor) -> bool:
-    """A leaf that requires grad, or a view of one (Linear saves ``weight.t()``)."""
-    base = t._base if t._base is not None else t
-    return base.is_leaf and base.requires_grad
-
-
 class Session:
     """Process-wide state behind ``compressing()`` and ``enable()``."""
 
@@ -270,7 +264,7 @@ class Session:
         base = t._base
         if base is None:
             base = t
-        if base.requires_grad and base.is_leaf:
+        if base.requires_grad and base.is_leaf:  # a parameter, or a view of one (weight.t())
             return "parameter"
         if t.layout != torch.strided or not (t.is_cuda or t.is_cpu):
             return "layout_or_device"
