@@ -235,9 +235,7 @@ def compress(
         or report.device not in (x.device, torch.device("cpu"))
     ):
         raise ValueError(f"report must be an int64 tensor of shape (1,) on {x.device} or in pinned host memory")
-    return compress_unchecked(
-        x if x.is_contiguous() else x.contiguous(), codec, geometry, values, fixed, sign_pack, nonzeros, report
-    )
+    return compress_unchecked(x.contiguous(), codec, geometry, values, fixed, sign_pack, nonzeros, report)
 
 
 def compress_unchecked(

@@ -403,5 +403,5 @@ def decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None):
     constexprs = (tile, spec.bits, sign_pack, not INTERPRETED, parts, square is not None)
     args = (out, out if square is None else square, stream, fixed, base, numel, num_tiles) + constexprs
     key = (out.dtype, args[1].dtype, _aligned(out), _aligned(args[1]), _aligned(stream), _aligned(fixed))
-    key += (_int_class(numel),)
-    _decode_launcher(num_tiles * parts, out.get_device(), key + constexprs, args, DECODE_NUM_WARPS)
+    key += (_int_class(numel),) + constexprs
+    _decode_launcher(num_tiles * parts, out.get_device(), key, args, DECODE_NUM_WARPS)
