@@ -119,6 +119,44 @@ def test_many_tensors_in_one_buffer():
     assert int(buf.cursor) == end
 
 
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=dtype_id)
+def test_gluon_and_portable_encoders_agree(dtype, monkeypatch):
+    """Raw tiles go through the Gluon encoder on CUDA; both encoders match the reference."""
+    gluon_launch = triton_codec._gluon_encode_launcher
+    calls = []
+    monkeypatch.setattr(triton_codec, "_gluon_encode_launcher", lambda *args: (calls.append(args), gluon_launch(*args)))
+    g = cuda_generator("encoders", dtype)
+    buf = ValueBuffer(1 << 22, device="cuda")  # successive appends start anywhere in a 16-byte line
+    cases = [(1, 0.5), (4095, 0.0), (4097, 0.9), (3 * 4096 + 17, 0.5), (2 * 4096, 1.0), (2**20 + 5, 0.999)]
+    for numel, zero_fraction in cases:
+        x = make_input(numel, dtype, zero_fraction, g)
+        gluon = compress(x, values=buf, backend="triton")
+        with monkeypatch.context() as m:
+            m.setattr(triton_codec, "_GLUON", False)
+            portable = compress(x, values=buf, backend="triton")
+        for c in (gluon, portable):
+            check_against_reference(c, x, False)
+            assert_bitwise_equal(decompress(c, backend="triton"), x)
+        assert torch.equal(gluon.masks, portable.masks)
+    assert len(calls) == len(cases)
+
+
+def test_unaligned_stream_is_encoded_by_the_portable_encoder(monkeypatch):
+    """The Gluon encoder's 16-byte stores need an aligned stream; a shifted one still works."""
+
+    def refuse(*args):
+        raise AssertionError("the Gluon encoder got an unaligned stream")
+
+    monkeypatch.setattr(triton_codec, "_gluon_encode_launcher", refuse)
+    words = torch.empty(2**20 + 2, dtype=torch.int32, device="cuda")[1:]
+    buf = ValueBuffer.wrap(words, torch.zeros(1, dtype=torch.int64, device="cuda"))
+    x = make_input(3 * 4096 + 5, torch.bfloat16, 0.5, cuda_generator("unaligned"))
+    for _ in range(3):
+        c = compress(x, values=buf, backend="triton")
+        check_against_reference(c, x, False)
+        assert_bitwise_equal(decompress(c, backend="triton"), x)
+
+
 def test_launch_key_determines_the_compiled_kernel(monkeypatch):
     """Launches skip Triton's argument binding, reusing the kernel compiled for their key:
     for every launch, the kernel Triton itself would pick must be that one."""
