@@ -12,10 +12,10 @@ because each program needs a scratch block (it stays in L2): a packed tile's val
 compacted there first, then each output word is assembled from the at most
 ``floor(31 / b) + 2`` values that overlap it, so every word is written once, whole.
 
-On CUDA, raw tiles of the default size go to ``gluon_encoder`` instead, which compacts the
-values in shared memory and writes the stream with 16-byte stores (about 1.3x to 1.6x
-faster, docs/benchmarks.md); the kernel here is the portable one, and the one the CPU tests
-run under the interpreter.
+On CUDA, with the default tile size, ``gluon_kernels`` encodes raw tiles and decodes streams
+that may hold packed tiles, or 8-bit values: they stage a tile's values in shared memory and
+move the stream in 16-byte vectors (1.3x to 2x faster, docs/benchmarks.md). The kernels here
+are the portable ones, and the ones the CPU tests run under the interpreter.
 
 Decoding runs one program per tile (per quarter tile when tiles may be packed): the same
 rank computation, then a gather (raw values) or a two-word funnel shift (packed values) for
@@ -42,9 +42,9 @@ from triton.runtime.interpreter import InterpretedFunction
 from bitsparse.format import WORD_BITS
 
 try:
-    from bitsparse.codecs import gluon_encoder
+    from bitsparse.codecs import gluon_kernels
 except ImportError:  # a Triton without Gluon (before 3.5)
-    gluon_encoder = None
+    gluon_kernels = None
 
 name = "triton"
 
@@ -318,9 +318,16 @@ def _launch_hooks_set() -> bool:
 
 _encode_launcher = _Launcher(_encode_kernel)
 _decode_launcher = _Launcher(_decode_kernel)
-# The faster encoder for raw tiles on CUDA (its docstring says why it is Gluon and PTX).
-_GLUON = gluon_encoder is not None and not INTERPRETED
-_gluon_encode_launcher = _Launcher(gluon_encoder.encode_kernel) if _GLUON else None
+# Faster kernels for some cases on CUDA (their module says why they are Gluon and PTX).
+_GLUON = gluon_kernels is not None and not INTERPRETED
+_gluon_encode_launcher = _Launcher(gluon_kernels.encode_kernel) if _GLUON else None
+_gluon_decode_launcher = _Launcher(gluon_kernels.decode_kernel) if _GLUON else None
+
+
+def _gluon_serves(tile: int, spec, stream: torch.Tensor) -> bool:
+    """Whether the Gluon kernels can take this call: they are built for the default tile, and
+    move the stream in 16-byte vectors (an arena's stream is aligned)."""
+    return _GLUON and gluon_kernels.supports(tile, spec.itemsize) and _aligned(stream)
 
 
 def check_device(device: torch.device) -> None:
@@ -369,13 +376,12 @@ def encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, n
     capacity = stream.numel() - 1
     report_arg = base if report is None else report
     nonzeros_arg = cursor if nonzeros is None else nonzeros
-    # The Gluon encoder's 16-byte stream stores need an aligned stream (an arena's is).
-    if _GLUON and not sign_pack and gluon_encoder.supports(tile, spec.itemsize) and _aligned(stream):
-        programs = -(-num_tiles // gluon_encoder.GROUP)
-        constexprs = (tile, spec.bits, gluon_encoder.GROUP, nonzeros is not None, report is not None)
+    if not sign_pack and _gluon_serves(tile, spec, stream):
+        programs = -(-num_tiles // gluon_kernels.GROUP)
+        constexprs = (tile, spec.bits, gluon_kernels.GROUP, nonzeros is not None, report is not None)
         args = (x, stream, fixed, cursor, appends, base, report_arg, nonzeros_arg, numel, capacity, num_tiles, programs)
         key = (x.dtype, _aligned(x), _aligned(fixed), _int_class(numel), capacity >= 1 << 31) + constexprs
-        _gluon_encode_launcher(programs, device, key, args + constexprs, gluon_encoder.NUM_WARPS)
+        _gluon_encode_launcher(programs, device, key, args + constexprs, gluon_kernels.NUM_WARPS)
         return
     # Only sign packing needs a persistent grid (for its per-program scratch); without it one
     # program per tile measured faster (docs/benchmarks.md).
@@ -422,9 +428,17 @@ def decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None):
     num_tiles = -(-numel // tile)
     if num_tiles == 0:
         return
+    square_arg = out if square is None else square
+    key = (out.dtype, square_arg.dtype, _aligned(out), _aligned(square_arg), _aligned(stream), _aligned(fixed))
+    key += (_int_class(numel),)
+    # Measured (docs/benchmarks.md): the Gluon decoder is faster where tiles may be packed and
+    # for 8-bit values, the portable one for raw 16- and 32-bit values.
+    if (sign_pack or spec.bits == 8) and _gluon_serves(tile, spec, stream):
+        constexprs = (tile, spec.bits, sign_pack, square is not None)
+        args = (out, square_arg, stream, fixed, base, numel, num_tiles) + constexprs
+        _gluon_decode_launcher(num_tiles, out.get_device(), key + constexprs, args, gluon_kernels.NUM_WARPS)
+        return
     parts = DECODE_PARTS[sign_pack]
     constexprs = (tile, spec.bits, sign_pack, not INTERPRETED, parts, square is not None)
-    args = (out, out if square is None else square, stream, fixed, base, numel, num_tiles) + constexprs
-    key = (out.dtype, args[1].dtype, _aligned(out), _aligned(args[1]), _aligned(stream), _aligned(fixed))
-    key += (_int_class(numel),) + constexprs
-    _decode_launcher(num_tiles * parts, out.get_device(), key, args, DECODE_NUM_WARPS)
+    args = (out, square_arg, stream, fixed, base, numel, num_tiles) + constexprs
+    _decode_launcher(num_tiles * parts, out.get_device(), key + constexprs, args, DECODE_NUM_WARPS)

@@ -1,0 +1,410 @@
+"""Kernels for CUDA in Gluon (Triton's dialect with explicit layouts): the encoder for raw
+tiles and the decoder for sign-packed and 8-bit streams.
+
+The portable Triton kernels (``triton_codec``) let the compiler choose layouts and move each
+value with its own 2-byte access; its encoder reached about half of copy bandwidth and its
+packed decoder about 40%, bound by instructions and latency (docs/benchmarks.md). These:
+
+- hold each thread's values as 16-byte vectors, a layout stated in the kernel, and build the
+  mask words and ranks from per-vector bit masks (one 32-bit scan per tile, over its mask
+  words' popcounts);
+- stage a tile's values in shared memory, compacted, and move them between shared memory and
+  the stream with 16-byte accesses;
+- (encoder) claim stream space for ``GROUP`` tiles with one atomic: the claim counter is one
+  address that every program hits.
+
+Triton has no access to computed shared-memory addresses, so the staging is inline PTX: one
+instance per thread (``pack`` covers all of a thread's values) declares the buffer, fills it,
+synchronizes the block and reads it.
+
+Gluon kernels cannot run under ``TRITON_INTERPRET=1``: the portable kernels are the ones the
+CPU tests run, and they serve every case these do not (other tile sizes, unaligned streams,
+sign-packed encoding, raw 16- and 32-bit decoding, where the portable decoder measured
+faster). GPU tests check both against the reference.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.runtime.jit import constexpr_function
+
+TILE = 4096
+"""The tile size these kernels are built for (the format's default); others use the portable ones."""
+GROUP = 2
+"""Tiles per program, which share one claim on the stream (measured: docs/benchmarks.md)."""
+NUM_WARPS = 4
+VECTOR_BYTES = 16
+
+# Arguments Triton must not specialize on: the compiled kernels then depend only on what
+# ``triton_codec._Launcher``'s keys hold.
+_ENCODE_UNSPECIALIZED = [
+    "cursor_ptr", "appends_ptr", "base_ptr", "report_ptr", "nonzeros_ptr", "capacity", "num_tiles", "num_programs",
+]  # fmt: skip
+_DECODE_UNSPECIALIZED = ["base_ptr", "num_tiles"]
+
+
+def supports(tile_size: int, itemsize: int) -> bool:
+    """Whether these kernels handle tiles of ``tile_size`` elements of ``itemsize`` bytes (the
+    encoder's shared buffer, a group of tiles, must fit the 48 KiB of static shared memory)."""
+    return tile_size == TILE and GROUP * TILE * itemsize <= 32 * 1024
+
+
+@constexpr_function
+def _int_type(bits):
+    return {8: gl.int8, 16: gl.int16, 32: gl.int32}[bits]
+
+
+@constexpr_function  # so that Triton hashes it into the kernels' cache keys
+def _ptx_prologue(buffer_bytes):
+    """Declarations of the thread's PTX block: the shared buffer (address in ``s``) and the
+    registers the blocks use."""
+    return [
+        "{",
+        f".shared .align 16 .b8 bs_buffer[{buffer_bytes + 32}];",
+        ".reg .pred p, whole, packed;",
+        ".reg .u32 s, a, b, q, lo, hi, v0, v1, v2, v3;",
+        ".reg .u64 g;",
+        "mov.u32 s, bs_buffer;",
+    ]
+
+
+@constexpr_function
+def _run_copy_ptx(lead, stop, address, threads, into_shared):
+    """PTX moving the run at buffer bytes [lead, stop) between shared memory and the stream,
+    where buffer byte 0 is at the 16-byte aligned ``address``. Thread t handles bytes
+    [16 b, 16 b + 16) for b = t, t + threads, ...: whole vectors inside the run, single words
+    at its two ends (the rest of those vectors belongs to other runs)."""
+    if into_shared:
+        vector = ["ld.global.v4.b32 {v0, v1, v2, v3}, [g];", "st.shared.v4.b32 [a], {v0, v1, v2, v3};"]
+        word = lambda i: [f"@p ld.global.b32 v{i}, [g+{4 * i}];", f"@p st.shared.b32 [a+{4 * i}], v{i};"]  # noqa: E731
+    else:
+        vector = ["ld.shared.v4.b32 {v0, v1, v2, v3}, [a];", "st.global.v4.b32 [g], {v0, v1, v2, v3};"]
+        word = lambda i: [f"@p ld.shared.b32 v{i}, [a+{4 * i}];", f"@p st.global.b32 [g+{4 * i}], v{i};"]  # noqa: E731
+    lines = [
+        "mov.u32 b, %tid.x;",
+        "shl.b32 b, b, 4;",
+        "add.u32 a, s, b;",
+        "cvt.u64.u32 g, b;",
+        f"add.u64 g, g, {address};",
+        "bs_copy:",
+        f"setp.ge.u32 p, b, {stop};",
+        "@p bra bs_copied;",
+        f"setp.ge.u32 whole, b, {lead};",
+        "add.u32 q, b, 16;",
+        f"setp.le.and.u32 whole, q, {stop}, whole;",
+        "@!whole bra bs_words;",
+        *vector,
+        "bra bs_next;",
+        "bs_words:",
+    ]
+    for i in range(4):
+        lines += [f"add.u32 q, b, {4 * i};", f"setp.ge.u32 p, q, {lead};", f"setp.lt.and.u32 p, q, {stop}, p;"]
+        lines += word(i)
+    return lines + [
+        "bs_next:",
+        f"add.u32 b, b, {16 * threads};",
+        f"add.u32 a, a, {16 * threads};",
+        f"add.u64 g, g, {16 * threads};",
+        "bra bs_copy;",
+        "bs_copied:",
+    ]
+
+
+@constexpr_function
+def _compaction_ptx(elements, vector, threads, buffer_bytes, bits):
+    """The encoder's PTX, run once by every thread of a program for its ``elements`` values.
+
+    Operands, ``elements`` registers each (one per value; per-vector and per-program ones
+    repeat): values $E, the bit mask of the value's vector of ``vector`` consecutive values
+    $2E, the vector's first buffer byte $3E, the buffer byte of the last word of the vector's
+    tile $4E (zeroed first: the padding after a tile's last value), the first byte of the run
+    in the buffer $5E (the stream address modulo 16), the end of the run $6E (0 writes
+    nothing) and the 16-byte aligned stream address of buffer byte 0 $7E.
+    """
+    e = elements
+    size = bits // 8
+    kind = {1: "b8", 2: "b16", 4: "b32"}[size]
+    chunks = range(0, e, vector)
+    lines = _ptx_prologue(buffer_bytes)
+    if bits < 32:
+        for c in chunks:
+            lines += [f"add.u32 a, s, ${4 * e + c};", "st.shared.b32 [a], 0;"]
+        lines += ["bar.sync 0;"]
+    # Scatter: a vector's nonzeros go to consecutive bytes from its first one.
+    for c in chunks:
+        lines += [f"add.u32 a, s, ${3 * e + c};"]
+        for j in range(vector):
+            lines += [
+                f"and.b32 q, ${2 * e + c}, {1 << j};",
+                "setp.ne.b32 p, q, 0;",
+                f"@p st.shared.{kind} [a], ${e + c + j};",
+                f"@p add.u32 a, a, {size};",
+            ]
+    lines += ["bar.sync 0;"]
+    lines += _run_copy_ptx(f"${5 * e}", f"${6 * e}", f"${7 * e}", threads, into_shared=False)
+    return "\n".join(lines + ["}"])
+
+
+@constexpr_function
+def _compaction_constraints(elements):
+    return ",".join(["=r"] * elements + ["r"] * (6 * elements) + ["l"] * elements)
+
+
+@constexpr_function
+def _restore_ptx(elements, vector, threads, buffer_bytes, bits, may_be_packed):
+    """The decoder's PTX, run once by every thread of a program for its ``elements`` values.
+
+    Outputs: the values' bits $0. Operands, ``elements`` registers each: the bit mask of the
+    value's vector of ``vector`` consecutive values $E, the tile rank of the vector's first
+    value $2E, then per program the tile's first byte in the buffer $3E (the stream address
+    modulo 16), the end of its run $4E, the 16-byte aligned stream address of buffer byte 0
+    $5E and whether the tile is sign-packed $6E.
+    """
+    e = elements
+    size = bits // 8
+    packed_bits = bits - 1
+    lines = _ptx_prologue(buffer_bytes)
+    lines += _run_copy_ptx(f"${3 * e}", f"${4 * e}", f"${5 * e}", threads, into_shared=True)
+    lines += ["bar.sync 0;", f"add.u32 s, s, ${3 * e};"]  # s: the tile's first value
+    raw = []
+    for c in range(0, e, vector):
+        raw += [f"mad.lo.u32 a, ${2 * e + c}, {size}, s;"]
+        for j in range(vector):
+            raw += [
+                f"and.b32 q, ${e + c}, {1 << j};",
+                "setp.ne.b32 p, q, 0;",
+                f"mov.u32 ${c + j}, 0;",
+                f"@p ld.shared.{ {1: 'u8', 2: 'u16', 4: 'b32'}[size]} ${c + j}, [a];",
+                f"@p add.u32 a, a, {size};",
+            ]
+    if not may_be_packed:
+        return "\n".join(lines + raw + ["}"])
+    # Packed: the value at bit b of the run is a funnel shift of the two words around it.
+    packed = []
+    for c in range(0, e, vector):
+        packed += [f"mul.lo.u32 b, ${2 * e + c}, {packed_bits};"]
+        for j in range(vector):
+            packed += [
+                f"and.b32 q, ${e + c}, {1 << j};",
+                "setp.ne.b32 p, q, 0;",
+                f"mov.u32 ${c + j}, 0;",
+                "shr.u32 a, b, 5;",
+                "shl.b32 a, a, 2;",
+                "add.u32 a, a, s;",
+                "@p ld.shared.b32 lo, [a];",
+                "@p ld.shared.b32 hi, [a+4];",
+                "and.b32 q, b, 31;",
+                f"@p shf.r.clamp.b32 ${c + j}, lo, hi, q;",
+                f"@p and.b32 ${c + j}, ${c + j}, {(1 << packed_bits) - 1};",
+                f"@p add.u32 b, b, {packed_bits};",
+            ]
+    lines += [f"setp.ne.u32 packed, ${6 * e}, 0;", "@packed bra bs_packed;"]
+    lines += raw + ["bra bs_restored;", "bs_packed:"] + packed + ["bs_restored:"]
+    return "\n".join(lines + ["}"])
+
+
+@constexpr_function
+def _restore_constraints(elements):
+    return ",".join(["=r"] * elements + ["r"] * (4 * elements) + ["l"] * elements + ["r"] * elements)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _popcount(x):
+    return gl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit(do_not_specialize=_ENCODE_UNSPECIALIZED, do_not_specialize_on_alignment=_ENCODE_UNSPECIALIZED)
+def encode_kernel(
+    x_ptr,
+    stream_ptr,
+    fixed_ptr,
+    cursor_ptr,
+    appends_ptr,
+    base_ptr,
+    report_ptr,
+    nonzeros_ptr,
+    numel,
+    capacity,
+    num_tiles,
+    num_programs,
+    TILE: gl.constexpr,
+    BITS: gl.constexpr,
+    GROUP: gl.constexpr,
+    COUNT_NONZEROS: gl.constexpr,
+    REPORT: gl.constexpr,
+):
+    """Encode tiles ``GROUP * pid ...`` raw; the protocol of ``triton_codec._encode_kernel``
+    (claims relative to the cursor, the last program to finish advances it)."""
+    WARPS: gl.constexpr = gl.num_warps()
+    WORDS: gl.constexpr = TILE // 32
+    ROWS: gl.constexpr = GROUP * WORDS  # mask words of the group
+    VECTOR: gl.constexpr = 128 // BITS  # values per 16-byte load
+    CHUNKS: gl.constexpr = 32 // VECTOR  # vectors per mask word
+    SIZE: gl.constexpr = BITS // 8
+    ELEMENTS: gl.constexpr = GROUP * TILE // (32 * WARPS)  # values per thread
+    # [mask word, vector in the word, value in the vector]: a thread holds whole vectors.
+    layout: gl.constexpr = gl.BlockedLayout([1, 1, VECTOR], [32 // CHUNKS, CHUNKS, 1], [WARPS, 1, 1], [2, 1, 0])
+    word_layout: gl.constexpr = gl.SliceLayout(2, layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, word_layout)
+    # [tile of the group, mask word]: a tile's words across the threads, for the scans.
+    tiles_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])
+
+    pid = gl.program_id(0)
+    first_tile = pid * GROUP
+    row = gl.arange(0, ROWS, layout=row_layout)[:, None]
+    chunk_index = gl.arange(0, CHUNKS, layout=gl.SliceLayout(0, word_layout))[None, :]
+    lane_value = gl.arange(0, VECTOR, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))[None, None, :]
+    index = first_tile * TILE + (row * 32 + chunk_index * VECTOR)[:, :, None] + lane_value
+    if (first_tile + GROUP) * TILE <= numel:
+        x = gl.load(x_ptr + index).to(_int_type(BITS), bitcast=True)
+    else:
+        x = gl.load(x_ptr + index, mask=index < numel, other=0).to(_int_type(BITS), bitcast=True)
+    chunk = gl.sum(gl.where(x != 0, 1 << lane_value, 0), axis=2)  # bit i: value i of the vector
+    word = gl.sum(chunk << (chunk_index * VECTOR), axis=1)
+
+    tile = gl.arange(0, GROUP, layout=gl.SliceLayout(1, tiles_layout))
+    word_index = gl.arange(0, WORDS, layout=gl.SliceLayout(0, tiles_layout))[None, :]
+    words = gl.convert_layout(gl.reshape(word, [GROUP, WORDS]), tiles_layout)
+    real = (first_tile + tile < num_tiles)[:, None]
+    gl.store(fixed_ptr + (first_tile + tile[:, None]) * WORDS + word_index, words, mask=real)
+    counts = _popcount(words)
+    ranks = gl.associative_scan(counts, 1, _add) - counts  # of each word's first value, in its tile
+    tile_counts = gl.sum(counts, axis=1)
+    tile_lengths = (tile_counts * BITS + 31) // 32
+    if COUNT_NONZEROS:
+        gl.atomic_add(nonzeros_ptr, gl.sum(tile_counts, axis=0).to(gl.int64), sem="relaxed")
+    # Each tile's values start on a word: its first word within the group's run.
+    tile_firsts = gl.zeros_like(tile_lengths)
+    total = 0
+    for t in gl.static_range(GROUP):
+        tile_firsts = gl.where(tile == t, total, tile_firsts)
+        total += gl.sum(gl.where(tile == t, tile_lengths, 0), axis=0)
+
+    # The cursor moves only when every program has finished (below), so all read the same.
+    base = gl.load(cursor_ptr)
+    if pid == 0:
+        gl.store(base_ptr, base)
+    offset = gl.atomic_add(appends_ptr, total.to(gl.int64), sem="relaxed")
+    start = base + offset
+    gl.store(
+        fixed_ptr + num_tiles * WORDS + first_tile + tile[:, None] + 0 * word_index,
+        (offset + tile_firsts[:, None] + 0 * word_index).to(gl.int32),
+        mask=real & (word_index == 0),
+    )
+    fits = start + total <= capacity
+
+    # Buffer bytes: the run starts at the stream address modulo 16, so 16-byte aligned
+    # buffer vectors map to 16-byte aligned stream vectors.
+    lead = (start % 4).to(gl.int32) * 4
+    word_bytes = gl.reshape(lead + tile_firsts[:, None] * 4 + ranks * SIZE, [ROWS])
+    last_words = gl.where(tile_lengths > 0, lead + (tile_firsts + tile_lengths - 1) * 4, GROUP * TILE * SIZE + 16)
+    last_bytes = gl.reshape(last_words[:, None] + 0 * word_index, [ROWS])
+    below = _popcount(word[:, None] & ((1 << (chunk_index * VECTOR)) - 1))
+    chunk_bytes = gl.convert_layout(word_bytes, row_layout)[:, None] + below * SIZE
+    last = gl.convert_layout(last_bytes, row_layout)[:, None] + 0 * chunk_index
+    zero = gl.zeros_like(x.to(gl.int32))
+    gl.inline_asm_elementwise(
+        _compaction_ptx(ELEMENTS, VECTOR, WARPS * 32, GROUP * TILE * SIZE, BITS),
+        _compaction_constraints(ELEMENTS),
+        [
+            x.to(gl.int32),
+            zero + chunk[:, :, None],
+            zero + chunk_bytes[:, :, None],
+            zero + last[:, :, None],
+            zero + lead,
+            zero + gl.where(fits, lead + total * 4, 0),
+            zero.to(gl.int64) + (stream_ptr + (start - start % 4)).to(gl.int64, bitcast=True),
+        ],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=ELEMENTS,
+    )
+
+    # The last program to finish moves the cursor past this append.
+    # Release/acquire order every program's claim and its read of the cursor before this.
+    if gl.atomic_add(appends_ptr + 1, 1, sem="acq_rel") == num_programs - 1:
+        end = base + gl.atomic_xchg(appends_ptr, 0, sem="acquire")
+        gl.atomic_xchg(appends_ptr + 1, 0, sem="relaxed")
+        gl.store(cursor_ptr, end)
+        if REPORT:
+            gl.store(report_ptr, end + 1)
+
+
+@gluon.jit(do_not_specialize=_DECODE_UNSPECIALIZED, do_not_specialize_on_alignment=_DECODE_UNSPECIALIZED)
+def decode_kernel(
+    out_ptr,
+    square_ptr,
+    stream_ptr,
+    fixed_ptr,
+    base_ptr,
+    numel,
+    num_tiles,
+    TILE: gl.constexpr,
+    BITS: gl.constexpr,
+    MAY_BE_PACKED: gl.constexpr,
+    SQUARE: gl.constexpr,
+):
+    """Restore tile ``pid`` (and its square when ``SQUARE``); the arguments of
+    ``triton_codec._decode_kernel``."""
+    WARPS: gl.constexpr = gl.num_warps()
+    WORDS: gl.constexpr = TILE // 32
+    VECTOR: gl.constexpr = 128 // BITS
+    CHUNKS: gl.constexpr = 32 // VECTOR
+    ELEMENTS: gl.constexpr = TILE // (32 * WARPS)
+    layout: gl.constexpr = gl.BlockedLayout([1, 1, VECTOR], [32 // CHUNKS, CHUNKS, 1], [WARPS, 1, 1], [2, 1, 0])
+    word_layout: gl.constexpr = gl.SliceLayout(2, layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, word_layout)
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+
+    tile = gl.program_id(0)
+    words = gl.load(fixed_ptr + tile * WORDS + gl.arange(0, WORDS, layout=flat))
+    counts = _popcount(words)
+    ranks = gl.convert_layout(gl.associative_scan(counts, 0, _add) - counts, row_layout)
+    count = gl.sum(counts, axis=0)
+    row = gl.arange(0, WORDS, layout=row_layout)[:, None]
+    word = gl.load(fixed_ptr + tile * WORDS + row)
+    chunk_index = gl.arange(0, CHUNKS, layout=gl.SliceLayout(0, word_layout))[None, :]
+    chunk = (word >> (chunk_index * VECTOR)) & ((1 << VECTOR) - 1)
+    chunk_ranks = ranks[:, None] + _popcount(word & ((1 << (chunk_index * VECTOR)) - 1))
+    tile_word = gl.load(fixed_ptr + num_tiles * WORDS + tile)
+    packed = tile_word < 0
+    start = gl.load(base_ptr) + (tile_word & 0x7FFFFFFF)
+    length = (count * gl.where(packed, BITS - 1, BITS) + 31) // 32
+    lead = (start % 4).to(gl.int32) * 4
+    lane_value = gl.arange(0, VECTOR, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))[None, None, :]
+    index = tile * TILE + (row * 32 + chunk_index * VECTOR)[:, :, None] + lane_value
+    zero = gl.zeros_like(index)
+    bits = gl.inline_asm_elementwise(
+        _restore_ptx(ELEMENTS, VECTOR, WARPS * 32, TILE * (BITS // 8), BITS, MAY_BE_PACKED),
+        _restore_constraints(ELEMENTS),
+        [
+            zero + chunk[:, :, None],
+            zero + chunk_ranks[:, :, None],
+            zero + lead,
+            zero + lead + length * 4,
+            zero.to(gl.int64) + (stream_ptr + (start - start % 4)).to(gl.int64, bitcast=True),
+            zero + packed.to(gl.int32),
+        ],
+        dtype=gl.int32,
+        is_pure=True,
+        pack=ELEMENTS,
+    )
+    value = bits.to(_int_type(BITS)).to(out_ptr.dtype.element_ty, bitcast=True)
+    if (tile + 1) * TILE <= numel:
+        _store_tile(out_ptr, square_ptr, index, value, None, SQUARE)
+    else:
+        _store_tile(out_ptr, square_ptr, index, value, index < numel, SQUARE)
+
+
+@gluon.jit
+def _store_tile(out_ptr, square_ptr, index, value, mask, SQUARE: gl.constexpr):
+    gl.store(out_ptr + index, value, mask=mask)
+    if SQUARE:  # as PyTorch squares: in float32, rounded to nearest even
+        wide = value.to(gl.float32)
+        gl.store(square_ptr + index, (wide * wide).to(out_ptr.dtype.element_ty), mask=mask)
