@@ -119,9 +119,10 @@ def test_many_tensors_in_one_buffer():
     assert int(buf.cursor) == end
 
 
+@pytest.mark.parametrize("sign_pack", [False, True], ids=["raw", "signpack"])
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=dtype_id)
-def test_gluon_and_portable_encoders_agree(dtype, monkeypatch):
-    """Raw tiles go through the Gluon encoder on CUDA; both encoders match the reference."""
+def test_gluon_and_portable_encoders_agree(dtype, sign_pack, monkeypatch):
+    """The Gluon encoder serves CUDA; both encoders match the reference, tile by tile."""
     gluon_launch = triton_codec._gluon_encode_launcher
     calls = []
     monkeypatch.setattr(triton_codec, "_gluon_encode_launcher", lambda *args: (calls.append(args), gluon_launch(*args)))
@@ -130,14 +131,15 @@ def test_gluon_and_portable_encoders_agree(dtype, monkeypatch):
     cases = [(1, 0.5), (4095, 0.0), (4097, 0.9), (3 * 4096 + 17, 0.5), (2 * 4096, 1.0), (2**20 + 5, 0.999)]
     for numel, zero_fraction in cases:
         x = make_input(numel, dtype, zero_fraction, g)
-        gluon = compress(x, values=buf, backend="triton")
+        gluon = compress(x, sign_pack=sign_pack, values=buf, backend="triton")
         with monkeypatch.context() as m:
             m.setattr(triton_codec, "_GLUON", False)
-            portable = compress(x, values=buf, backend="triton")
+            portable = compress(x, sign_pack=sign_pack, values=buf, backend="triton")
         for c in (gluon, portable):
-            check_against_reference(c, x, False)
+            check_against_reference(c, x, sign_pack)
             assert_bitwise_equal(decompress(c, backend="triton"), x)
         assert torch.equal(gluon.masks, portable.masks)
+        assert torch.equal(gluon.tile_words < 0, portable.tile_words < 0)
     assert len(calls) == len(cases)
 
 
@@ -191,24 +193,26 @@ def test_launch_key_determines_the_compiled_kernel(monkeypatch):
         launches.append(key)
 
     monkeypatch.setattr(triton_codec._Launcher, "__call__", checked_launch)
-    g = cuda_generator("launch keys")
-    storage = make_input(3 * 4096 + 40, torch.bfloat16, 0.5, g)
-    buf = ValueBuffer(1 << 20, device="cuda")
-    nonzeros = torch.zeros(1, dtype=torch.int64, device="cuda")
-    # One tile and many, odd sizes, unaligned starts, and each optional output.
-    for i, (offset, numel) in enumerate([(0, 1), (0, 4096), (1, 4097), (3, 3 * 4096 + 17), (8, 2 * 4096)]):
-        x = storage[offset : offset + numel]
-        for sign_pack in (False, True):
-            report = torch.zeros(1, dtype=torch.int64, pin_memory=True) if i % 2 else None
-            c = compress(x, sign_pack=sign_pack, values=buf, nonzeros=nonzeros if i % 2 else None, report=report)
-            assert_bitwise_equal(decompress(c), x)
-    for dtype in GPU_DTYPES:
-        x = make_input(5000, dtype, 0.5, g)
+    for gluon in (True, False):  # the Gluon kernels, and the portable ones they stand in for
+        monkeypatch.setattr(triton_codec, "_GLUON", gluon)
+        g = cuda_generator("launch keys")
+        storage = make_input(3 * 4096 + 40, torch.bfloat16, 0.5, g)
+        buf = ValueBuffer(1 << 20, device="cuda")
+        nonzeros = torch.zeros(1, dtype=torch.int64, device="cuda")
+        # One tile and many, odd sizes, unaligned starts, and each optional output.
+        for i, (offset, numel) in enumerate([(0, 1), (0, 4096), (1, 4097), (3, 3 * 4096 + 17), (8, 2 * 4096)]):
+            x = storage[offset : offset + numel]
+            for sign_pack in (False, True):
+                report = torch.zeros(1, dtype=torch.int64, pin_memory=True) if i % 2 else None
+                c = compress(x, sign_pack=sign_pack, values=buf, nonzeros=nonzeros if i % 2 else None, report=report)
+                assert_bitwise_equal(decompress(c), x)
+        for dtype in GPU_DTYPES:
+            x = make_input(5000, dtype, 0.5, g)
+            assert_bitwise_equal(decompress(compress(x, sign_pack=True)), x)
+        # Many programs (the portable encoder's persistent grid for sign packing runs two tiles each).
+        x = make_input(2 * triton_codec._encode_programs(torch.cuda.current_device()) * 4096 + 5, torch.bfloat16, 0.5, g)
         assert_bitwise_equal(decompress(compress(x, sign_pack=True)), x)
-    # Sign packing's persistent grid, with two tiles per program.
-    x = make_input(2 * triton_codec._encode_programs(torch.cuda.current_device()) * 4096 + 5, torch.bfloat16, 0.5, g)
-    assert_bitwise_equal(decompress(compress(x, sign_pack=True)), x)
-    assert len(launches) == 2 * (2 * 5 + len(GPU_DTYPES) + 1)
+    assert len(launches) == 2 * 2 * (2 * 5 + len(GPU_DTYPES) + 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=dtype_id)

@@ -1,5 +1,5 @@
-"""Kernels for CUDA in Gluon (Triton's dialect with explicit layouts): the encoder for raw
-tiles and the decoder for sign-packed and 8-bit streams.
+"""Kernels for CUDA in Gluon (Triton's dialect with explicit layouts): the encoder, and the
+decoder for streams that may hold sign-packed tiles and for 8-bit values.
 
 The portable Triton kernels (``triton_codec``) let the compiler choose layouts and move each
 value with its own 2-byte access; its encoder reached about half of copy bandwidth and its
@@ -9,7 +9,8 @@ packed decoder about 40%, bound by instructions and latency (docs/benchmarks.md)
   mask words and ranks from per-vector bit masks (one 32-bit scan per tile, over its mask
   words' popcounts);
 - stage a tile's values in shared memory, compacted, and move them between shared memory and
-  the stream with 16-byte accesses;
+  the stream with 16-byte accesses (a sign-packed tile's stream words are assembled from the
+  staged values, each written once, whole);
 - (encoder) claim stream space for ``GROUP`` tiles with one atomic: the claim counter is one
   address that every program hits.
 
@@ -19,8 +20,8 @@ synchronizes the block and reads it.
 
 Gluon kernels cannot run under ``TRITON_INTERPRET=1``: the portable kernels are the ones the
 CPU tests run, and they serve every case these do not (other tile sizes, unaligned streams,
-sign-packed encoding, raw 16- and 32-bit decoding, where the portable decoder measured
-faster). GPU tests check both against the reference.
+raw 16- and 32-bit decoding, where the portable decoder measured faster). GPU tests check both
+against the reference.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ TILE = 4096
 GROUP = 2
 """Tiles per program, which share one claim on the stream (measured: docs/benchmarks.md)."""
 NUM_WARPS = 4
-VECTOR_BYTES = 16
 
 # Arguments Triton must not specialize on: the compiled kernels then depend only on what
 # ``triton_codec._Launcher``'s keys hold.
@@ -152,6 +152,90 @@ def _compaction_constraints(elements):
 
 
 @constexpr_function
+def _packing_ptx(elements, vector, threads, region_bytes, bits):
+    """The sign-packing encoder's PTX (a group of two tiles), run once by every thread.
+
+    Operands, ``elements`` registers each: values $E, vector bit masks $2E, the vector's first
+    buffer byte $3E (tile t's values start at byte ``t * region_bytes``), the first byte after
+    the vector's tile's values, or -1 $4E (its owner zeroes the values that may be read past
+    them), then per program: the stream words of the first tile $5E, of the group $6E (0
+    writes nothing), the tiles' packed flags (bit t) $7E and the stream address $8E.
+    """
+    e = elements
+    size = bits // 8
+    kind = {1: "b8", 2: "b16", 4: "b32"}[size]
+    load = {1: "u8", 2: "u16", 4: "b32"}[size]
+    width = bits - 1
+    overlap = 31 // width + 2  # values that can share bits with one stream word
+    lines = _ptx_prologue(2 * region_bytes)
+    lines += [".reg .u32 o, r, k, sh, w;"]
+    for c in range(0, e, vector):
+        lines += [f"setp.ge.s32 p, ${4 * e + c}, 0;", f"add.u32 a, s, ${4 * e + c};"]
+        lines += [f"@p st.shared.{kind} [a+{size * i}], 0;" for i in range(overlap)]
+        lines += [f"add.u32 a, s, ${3 * e + c};"]
+        for j in range(vector):
+            lines += [
+                f"and.b32 q, ${2 * e + c}, {1 << j};",
+                "setp.ne.b32 p, q, 0;",
+                f"@p st.shared.{kind} [a], ${e + c + j};",
+                f"@p add.u32 a, a, {size};",
+            ]
+    # Stream word o of the group: word r of tile t; a raw tile's word is in the buffer as is,
+    # a packed tile's is assembled from the ``width``-bit values that overlap it.
+    lines += [
+        "bar.sync 0;",
+        "mov.u32 o, %tid.x;",
+        "bs_word:",
+        f"setp.ge.u32 p, o, ${6 * e};",
+        "@p bra bs_words_done;",
+        f"setp.ge.u32 whole, o, ${5 * e};",  # whole: the second tile
+        f"selp.u32 a, {region_bytes}, 0, whole;",
+        "add.u32 a, a, s;",
+        f"selp.u32 r, ${5 * e}, 0, whole;",
+        "sub.u32 r, o, r;",
+        "selp.u32 q, 2, 1, whole;",
+        f"and.b32 q, q, ${7 * e};",
+        "setp.ne.u32 packed, q, 0;",
+        "@packed bra bs_assemble;",
+        "shl.b32 r, r, 2;",
+        "add.u32 a, a, r;",
+        "ld.shared.b32 w, [a];",
+        "bra bs_store;",
+        "bs_assemble:",
+        "shl.b32 b, r, 5;",  # the word's first bit
+        f"div.u32 k, b, {width};",  # the first value overlapping it
+        f"mul.lo.u32 sh, k, {width};",
+        "sub.u32 sh, b, sh;",  # bits of that value below the word
+        f"mad.lo.u32 a, k, {size}, a;",
+        f"ld.shared.{load} w, [a];",
+        f"and.b32 w, w, {(1 << width) - 1};",
+        "shr.b32 w, w, sh;",
+    ]
+    for i in range(1, overlap):
+        lines += [
+            f"ld.shared.{load} v0, [a+{size * i}];",
+            f"and.b32 v0, v0, {(1 << width) - 1};",
+            f"sub.u32 q, {width * i}, sh;",
+            "shl.b32 v0, v0, q;",  # 0 when q >= 32
+            "or.b32 w, w, v0;",
+        ]
+    lines += [
+        "bs_store:",
+        f"mad.wide.u32 g, o, 4, ${8 * e};",
+        "st.global.b32 [g], w;",
+        f"add.u32 o, o, {threads};",
+        "bra bs_word;",
+        "bs_words_done:",
+    ]
+    return "\n".join(lines + ["}"])
+
+
+@constexpr_function
+def _packing_constraints(elements):
+    return ",".join(["=r"] * elements + ["r"] * (7 * elements) + ["l"] * elements)
+
+
+@constexpr_function
 def _restore_ptx(elements, vector, threads, buffer_bytes, bits, may_be_packed):
     """The decoder's PTX, run once by every thread of a program for its ``elements`` values.
 
@@ -236,11 +320,13 @@ def encode_kernel(
     TILE: gl.constexpr,
     BITS: gl.constexpr,
     GROUP: gl.constexpr,
+    SIGN_PACK: gl.constexpr,
     COUNT_NONZEROS: gl.constexpr,
     REPORT: gl.constexpr,
 ):
-    """Encode tiles ``GROUP * pid ...`` raw; the protocol of ``triton_codec._encode_kernel``
-    (claims relative to the cursor, the last program to finish advances it)."""
+    """Encode tiles ``GROUP * pid ...``; the protocol of ``triton_codec._encode_kernel``
+    (claims relative to the cursor, the last program to finish advances it). With
+    ``SIGN_PACK`` (``GROUP`` 2), a tile whose nonzeros all have a clear sign bit is packed."""
     WARPS: gl.constexpr = gl.num_warps()
     WORDS: gl.constexpr = TILE // 32
     ROWS: gl.constexpr = GROUP * WORDS  # mask words of the group
@@ -248,6 +334,8 @@ def encode_kernel(
     CHUNKS: gl.constexpr = 32 // VECTOR  # vectors per mask word
     SIZE: gl.constexpr = BITS // 8
     ELEMENTS: gl.constexpr = GROUP * TILE // (32 * WARPS)  # values per thread
+    REGION: gl.constexpr = TILE * SIZE + 32  # a packing tile's buffer bytes, with a zeroed tail
+    gl.static_assert(not SIGN_PACK or GROUP == 2, "the packing PTX assembles words of two tiles")
     # [mask word, vector in the word, value in the vector]: a thread holds whole vectors.
     layout: gl.constexpr = gl.BlockedLayout([1, 1, VECTOR], [32 // CHUNKS, CHUNKS, 1], [WARPS, 1, 1], [2, 1, 0])
     word_layout: gl.constexpr = gl.SliceLayout(2, layout)
@@ -276,7 +364,15 @@ def encode_kernel(
     counts = _popcount(words)
     ranks = gl.associative_scan(counts, 1, _add) - counts  # of each word's first value, in its tile
     tile_counts = gl.sum(counts, axis=1)
-    tile_lengths = (tile_counts * BITS + 31) // 32
+    if SIGN_PACK:
+        # A tile packs when no value has its sign bit set: the sign of the OR of its values.
+        signs = gl.reduce_or(gl.reduce_or(x, axis=2), axis=1)
+        tile_signs = gl.reduce_or(gl.convert_layout(gl.reshape(signs, [GROUP, WORDS]), tiles_layout), axis=1)
+        packed = tile_signs >= 0
+        tile_lengths = (tile_counts * gl.where(packed, BITS - 1, BITS) + 31) // 32
+    else:
+        packed = tile < 0
+        tile_lengths = (tile_counts * BITS + 31) // 32
     if COUNT_NONZEROS:
         gl.atomic_add(nonzeros_ptr, gl.sum(tile_counts, axis=0).to(gl.int64), sem="relaxed")
     # Each tile's values start on a word: its first word within the group's run.
@@ -294,37 +390,64 @@ def encode_kernel(
     start = base + offset
     gl.store(
         fixed_ptr + num_tiles * WORDS + first_tile + tile[:, None] + 0 * word_index,
-        (offset + tile_firsts[:, None] + 0 * word_index).to(gl.int32),
+        (offset + tile_firsts[:, None] + 0 * word_index).to(gl.int32) | (packed.to(gl.int32) << 31)[:, None],
         mask=real & (word_index == 0),
     )
     fits = start + total <= capacity
-
-    # Buffer bytes: the run starts at the stream address modulo 16, so 16-byte aligned
-    # buffer vectors map to 16-byte aligned stream vectors.
-    lead = (start % 4).to(gl.int32) * 4
-    word_bytes = gl.reshape(lead + tile_firsts[:, None] * 4 + ranks * SIZE, [ROWS])
-    last_words = gl.where(tile_lengths > 0, lead + (tile_firsts + tile_lengths - 1) * 4, GROUP * TILE * SIZE + 16)
-    last_bytes = gl.reshape(last_words[:, None] + 0 * word_index, [ROWS])
     below = _popcount(word[:, None] & ((1 << (chunk_index * VECTOR)) - 1))
-    chunk_bytes = gl.convert_layout(word_bytes, row_layout)[:, None] + below * SIZE
-    last = gl.convert_layout(last_bytes, row_layout)[:, None] + 0 * chunk_index
     zero = gl.zeros_like(x.to(gl.int32))
-    gl.inline_asm_elementwise(
-        _compaction_ptx(ELEMENTS, VECTOR, WARPS * 32, GROUP * TILE * SIZE, BITS),
-        _compaction_constraints(ELEMENTS),
-        [
-            x.to(gl.int32),
-            zero + chunk[:, :, None],
-            zero + chunk_bytes[:, :, None],
-            zero + last[:, :, None],
-            zero + lead,
-            zero + gl.where(fits, lead + total * 4, 0),
-            zero.to(gl.int64) + (stream_ptr + (start - start % 4)).to(gl.int64, bitcast=True),
-        ],
-        dtype=gl.int32,
-        is_pure=False,
-        pack=ELEMENTS,
-    )
+    if SIGN_PACK:
+        # Each tile's values compacted in its own region, then every stream word assembled.
+        region_bytes = gl.reshape(tile[:, None] * REGION + ranks * SIZE, [ROWS])
+        chunk_bytes = gl.convert_layout(region_bytes, row_layout)[:, None] + below * SIZE
+        tail_bytes = gl.reshape(tile[:, None] * REGION + tile_counts[:, None] * SIZE + 0 * word_index, [ROWS])
+        first_chunk = (row % WORDS == 0) & (chunk_index == 0)
+        tail = gl.where(first_chunk, gl.convert_layout(tail_bytes, row_layout)[:, None], -1)
+        split = gl.sum(gl.where(tile == 0, tile_lengths, 0), axis=0)
+        flags = gl.sum(packed.to(gl.int32) << tile, axis=0)
+        gl.inline_asm_elementwise(
+            _packing_ptx(ELEMENTS, VECTOR, WARPS * 32, REGION, BITS),
+            _packing_constraints(ELEMENTS),
+            [
+                x.to(gl.int32),
+                zero + chunk[:, :, None],
+                zero + chunk_bytes[:, :, None],
+                zero + tail[:, :, None],
+                zero + split,
+                zero + gl.where(fits, total, 0),
+                zero + flags,
+                zero.to(gl.int64) + (stream_ptr + start).to(gl.int64, bitcast=True),
+            ],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=ELEMENTS,
+        )
+    else:
+        # The group's run compacted in the buffer, then copied in 16-byte vectors: it starts
+        # at the stream address modulo 16, so aligned buffer vectors are aligned in the stream.
+        lead = (start % 4).to(gl.int32) * 4
+        word_bytes = gl.reshape(lead + tile_firsts[:, None] * 4 + ranks * SIZE, [ROWS])
+        last_words = gl.where(tile_lengths > 0, lead + (tile_firsts + tile_lengths - 1) * 4, GROUP * TILE * SIZE + 16)
+        last_bytes = gl.reshape(last_words[:, None] + 0 * word_index, [ROWS])
+        chunk_bytes = gl.convert_layout(word_bytes, row_layout)[:, None] + below * SIZE
+        last = gl.convert_layout(last_bytes, row_layout)[:, None] + 0 * chunk_index
+        gl.inline_asm_elementwise(
+            _compaction_ptx(ELEMENTS, VECTOR, WARPS * 32, GROUP * TILE * SIZE, BITS),
+            _compaction_constraints(ELEMENTS),
+            [
+                x.to(gl.int32),
+                zero + chunk[:, :, None],
+                zero + chunk_bytes[:, :, None],
+                zero + last[:, :, None],
+                zero + lead,
+                zero + gl.where(fits, lead + total * 4, 0),
+                zero.to(gl.int64) + (stream_ptr + (start - start % 4)).to(gl.int64, bitcast=True),
+            ],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=ELEMENTS,
+        )
+
 
     # The last program to finish moves the cursor past this append.
     # Release/acquire order every program's claim and its read of the cursor before this.

@@ -12,9 +12,9 @@ because each program needs a scratch block (it stays in L2): a packed tile's val
 compacted there first, then each output word is assembled from the at most
 ``floor(31 / b) + 2`` values that overlap it, so every word is written once, whole.
 
-On CUDA, with the default tile size, ``gluon_kernels`` encodes raw tiles and decodes streams
-that may hold packed tiles, or 8-bit values: they stage a tile's values in shared memory and
-move the stream in 16-byte vectors (1.3x to 2x faster, docs/benchmarks.md). The kernels here
+On CUDA, with the default tile size and an aligned stream, ``gluon_kernels`` encodes, and
+decodes streams that may hold packed tiles or 8-bit values: its kernels stage a tile's values
+in shared memory and move the stream in wide accesses (1.3x to 6x faster, docs/benchmarks.md). The kernels here
 are the portable ones, and the ones the CPU tests run under the interpreter.
 
 Decoding runs one program per tile (per quarter tile when tiles may be packed): the same
@@ -376,9 +376,9 @@ def encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, n
     capacity = stream.numel() - 1
     report_arg = base if report is None else report
     nonzeros_arg = cursor if nonzeros is None else nonzeros
-    if not sign_pack and _gluon_serves(tile, spec, stream):
+    if _gluon_serves(tile, spec, stream):
         programs = -(-num_tiles // gluon_kernels.GROUP)
-        constexprs = (tile, spec.bits, gluon_kernels.GROUP, nonzeros is not None, report is not None)
+        constexprs = (tile, spec.bits, gluon_kernels.GROUP, sign_pack, nonzeros is not None, report is not None)
         args = (x, stream, fixed, cursor, appends, base, report_arg, nonzeros_arg, numel, capacity, num_tiles, programs)
         key = (x.dtype, _aligned(x), _aligned(fixed), _int_class(numel), capacity >= 1 << 31) + constexprs
         _gluon_encode_launcher(programs, device, key, args + constexprs, gluon_kernels.NUM_WARPS)
