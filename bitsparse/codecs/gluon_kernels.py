@@ -112,6 +112,34 @@ def _run_copy_ptx(lead, stop, address, threads, into_shared):
 
 
 @constexpr_function
+def _for_each_value(elements, vector, masks, before, body):
+    """PTX visiting a thread's values vector by vector: ``before(c)`` ahead of the vector at
+    operand offset ``c``, then for its value ``j`` the predicate ``p`` (bit ``j`` of the vector's
+    mask, operand ``masks + c``) and ``body(c, j)``."""
+    lines = []
+    for c in range(0, elements, vector):
+        lines += before(c)
+        for j in range(vector):
+            lines += [f"and.b32 q, ${masks + c}, {1 << j};", "setp.ne.b32 p, q, 0;"] + body(c, j)
+    return lines
+
+
+@constexpr_function
+def _scatter_ptx(elements, vector, bits, before):
+    """The encoders' scatter: a vector's nonzeros (values $E, masks $2E) to consecutive buffer
+    bytes from the vector's first one ($3E)."""
+    e, size = elements, bits // 8
+    kind = {1: "b8", 2: "b16", 4: "b32"}[size]
+    return _for_each_value(
+        e,
+        vector,
+        2 * e,
+        lambda c: before(c) + [f"add.u32 a, s, ${3 * e + c};"],
+        lambda c, j: [f"@p st.shared.{kind} [a], ${e + c + j};", f"@p add.u32 a, a, {size};"],
+    )
+
+
+@constexpr_function
 def _compaction_ptx(elements, vector, threads, buffer_bytes, bits):
     """The encoder's PTX, run once by every thread of a program for its ``elements`` values.
 
@@ -123,24 +151,12 @@ def _compaction_ptx(elements, vector, threads, buffer_bytes, bits):
     nothing) and the 16-byte aligned stream address of buffer byte 0 $7E.
     """
     e = elements
-    size = bits // 8
-    kind = {1: "b8", 2: "b16", 4: "b32"}[size]
-    chunks = range(0, e, vector)
     lines = _ptx_prologue(buffer_bytes)
-    if bits < 32:
-        for c in chunks:
+    if bits < 32:  # the last words are zeroed before any value lands in them
+        for c in range(0, e, vector):
             lines += [f"add.u32 a, s, ${4 * e + c};", "st.shared.b32 [a], 0;"]
         lines += ["bar.sync 0;"]
-    # Scatter: a vector's nonzeros go to consecutive bytes from its first one.
-    for c in chunks:
-        lines += [f"add.u32 a, s, ${3 * e + c};"]
-        for j in range(vector):
-            lines += [
-                f"and.b32 q, ${2 * e + c}, {1 << j};",
-                "setp.ne.b32 p, q, 0;",
-                f"@p st.shared.{kind} [a], ${e + c + j};",
-                f"@p add.u32 a, a, {size};",
-            ]
+    lines += _scatter_ptx(e, vector, bits, lambda c: [])
     lines += ["bar.sync 0;"]
     lines += _run_copy_ptx(f"${5 * e}", f"${6 * e}", f"${7 * e}", threads, into_shared=False)
     return "\n".join(lines + ["}"])
@@ -169,17 +185,12 @@ def _packing_ptx(elements, vector, threads, region_bytes, bits):
     overlap = 31 // width + 2  # values that can share bits with one stream word
     lines = _ptx_prologue(2 * region_bytes)
     lines += [".reg .u32 o, r, k, sh, w;"]
-    for c in range(0, e, vector):
-        lines += [f"setp.ge.s32 p, ${4 * e + c}, 0;", f"add.u32 a, s, ${4 * e + c};"]
-        lines += [f"@p st.shared.{kind} [a+{size * i}], 0;" for i in range(overlap)]
-        lines += [f"add.u32 a, s, ${3 * e + c};"]
-        for j in range(vector):
-            lines += [
-                f"and.b32 q, ${2 * e + c}, {1 << j};",
-                "setp.ne.b32 p, q, 0;",
-                f"@p st.shared.{kind} [a], ${e + c + j};",
-                f"@p add.u32 a, a, {size};",
-            ]
+
+    def zero_tail(c):  # past a tile's values, where no value lands: no barrier needed
+        zeros = [f"@p st.shared.{kind} [a+{size * i}], 0;" for i in range(overlap)]
+        return [f"setp.ge.s32 p, ${4 * e + c}, 0;", f"add.u32 a, s, ${4 * e + c};"] + zeros
+
+    lines += _scatter_ptx(e, vector, bits, zero_tail)
     # Stream word o of the group: word r of tile t; a raw tile's word is in the buffer as is,
     # a packed tile's is assembled from the ``width``-bit values that overlap it.
     lines += [
@@ -251,38 +262,35 @@ def _restore_ptx(elements, vector, threads, buffer_bytes, bits, may_be_packed):
     lines = _ptx_prologue(buffer_bytes)
     lines += _run_copy_ptx(f"${3 * e}", f"${4 * e}", f"${5 * e}", threads, into_shared=True)
     lines += ["bar.sync 0;", f"add.u32 s, s, ${3 * e};"]  # s: the tile's first value
-    raw = []
-    for c in range(0, e, vector):
-        raw += [f"mad.lo.u32 a, ${2 * e + c}, {size}, s;"]
-        for j in range(vector):
-            raw += [
-                f"and.b32 q, ${e + c}, {1 << j};",
-                "setp.ne.b32 p, q, 0;",
-                f"mov.u32 ${c + j}, 0;",
-                f"@p ld.shared.{ {1: 'u8', 2: 'u16', 4: 'b32'}[size]} ${c + j}, [a];",
-                f"@p add.u32 a, a, {size};",
-            ]
+    load = {1: "u8", 2: "u16", 4: "b32"}[size]
+    raw = _for_each_value(
+        e,
+        vector,
+        e,
+        lambda c: [f"mad.lo.u32 a, ${2 * e + c}, {size}, s;"],
+        lambda c, j: [f"mov.u32 ${c + j}, 0;", f"@p ld.shared.{load} ${c + j}, [a];", f"@p add.u32 a, a, {size};"],
+    )
     if not may_be_packed:
         return "\n".join(lines + raw + ["}"])
     # Packed: the value at bit b of the run is a funnel shift of the two words around it.
-    packed = []
-    for c in range(0, e, vector):
-        packed += [f"mul.lo.u32 b, ${2 * e + c}, {packed_bits};"]
-        for j in range(vector):
-            packed += [
-                f"and.b32 q, ${e + c}, {1 << j};",
-                "setp.ne.b32 p, q, 0;",
-                f"mov.u32 ${c + j}, 0;",
-                "shr.u32 a, b, 5;",
-                "shl.b32 a, a, 2;",
-                "add.u32 a, a, s;",
-                "@p ld.shared.b32 lo, [a];",
-                "@p ld.shared.b32 hi, [a+4];",
-                "and.b32 q, b, 31;",
-                f"@p shf.r.clamp.b32 ${c + j}, lo, hi, q;",
-                f"@p and.b32 ${c + j}, ${c + j}, {(1 << packed_bits) - 1};",
-                f"@p add.u32 b, b, {packed_bits};",
-            ]
+    packed = _for_each_value(
+        e,
+        vector,
+        e,
+        lambda c: [f"mul.lo.u32 b, ${2 * e + c}, {packed_bits};"],  # b: the value's first bit
+        lambda c, j: [
+            f"mov.u32 ${c + j}, 0;",
+            "shr.u32 a, b, 5;",
+            "shl.b32 a, a, 2;",
+            "add.u32 a, a, s;",
+            "@p ld.shared.b32 lo, [a];",
+            "@p ld.shared.b32 hi, [a+4];",
+            "and.b32 q, b, 31;",
+            f"@p shf.r.clamp.b32 ${c + j}, lo, hi, q;",
+            f"@p and.b32 ${c + j}, ${c + j}, {(1 << packed_bits) - 1};",
+            f"@p add.u32 b, b, {packed_bits};",
+        ],
+    )
     lines += [f"setp.ne.u32 packed, ${6 * e}, 0;", "@packed bra bs_packed;"]
     lines += raw + ["bra bs_restored;", "bs_packed:"] + packed + ["bs_restored:"]
     return "\n".join(lines + ["}"])
