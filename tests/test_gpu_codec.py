@@ -186,10 +186,10 @@ def test_launch_key_determines_the_compiled_kernel(monkeypatch):
     launches = []
     launch = triton_codec._Launcher.__call__
 
-    def checked_launch(self, grid, device, key, args, num_warps):
-        launch(self, grid, device, key, args, num_warps)
-        expected = self._kernel.warmup(*args, grid=(grid,), num_warps=num_warps)
-        assert self._compiled[(device, num_warps) + key] is expected, key
+    def checked_launch(self, grid, device, key, args):
+        launch(self, grid, device, key, args)
+        expected = self._kernel.warmup(*args, grid=(grid,), **self.options)
+        assert self._compiled[(device,) + key] is expected, key
         launches.append(key)
 
     monkeypatch.setattr(triton_codec._Launcher, "__call__", checked_launch)

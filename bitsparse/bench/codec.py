@@ -168,26 +168,30 @@ def plot(path: str, rows: list[dict], title: str) -> None:
 
 
 def sweep(args: argparse.Namespace) -> None:
-    """Try the Triton launch parameters on bf16 and print each configuration."""
-    from bitsparse.codecs import triton_codec
+    """Try launch options of the kernels that serve bf16 on CUDA, and print each configuration."""
+    from bitsparse.codecs import gluon_kernels, triton_codec
 
+    configurations = [
+        ("_gluon_encode_launcher", gluon_kernels.encode_kernel, {"num_warps": w, "maxnreg": r})
+        for w, r in itertools.product((4, 8), (None, 72, 80, 96))
+    ]
+    configurations += [("_decode_launcher", triton_codec._decode_kernel, {"num_warps": w}) for w in (1, 2, 4)]
+    configurations += [("_gluon_decode_launcher", gluon_kernels.decode_kernel, {"num_warps": w}) for w in (2, 4, 8)]
     torch.manual_seed(0)
     numel = 1 << args.log2_numel
     copy = copy_gbs(numel, args.reps, "cuda")
     for zeros, sign_pack in ((0.5, False), (0.9, False), (0.9, True)):
         x = relu_like(numel, zeros, torch.bfloat16, "cuda")
-        defaults = triton_codec.ENCODE_NUM_WARPS, triton_codec.DECODE_NUM_WARPS, triton_codec.DECODE_PARTS
-        for encode_warps, decode_warps, parts in itertools.chain(
-            ((w, defaults[1], defaults[2][sign_pack]) for w in (2, 4, 8)),
-            ((defaults[0], w, p) for w, p in itertools.product((1, 2, 4), (1, 2, 4))),
-        ):
-            triton_codec.ENCODE_NUM_WARPS = encode_warps
-            triton_codec.DECODE_NUM_WARPS = decode_warps
-            triton_codec.DECODE_PARTS = {False: parts, True: parts}
-            r = measure(x, sign_pack, "triton", args.reps)
-            print(f"zeros={zeros} sign_pack={sign_pack!s:<5} encode warps={encode_warps} decode warps={decode_warps} "
-                  f"parts={parts}  encode {100 * r['encode_gbs'] / copy:5.1f}%  decode {100 * r['decode_gbs'] / copy:5.1f}%")
-        triton_codec.ENCODE_NUM_WARPS, triton_codec.DECODE_NUM_WARPS, triton_codec.DECODE_PARTS = defaults
+        for name, kernel, options in configurations:
+            shipped = getattr(triton_codec, name)
+            options = {key: value for key, value in options.items() if value is not None}
+            setattr(triton_codec, name, triton_codec._Launcher(kernel, **options))  # a fresh compile cache
+            try:
+                r = measure(x, sign_pack, "triton", args.reps)
+            finally:
+                setattr(triton_codec, name, shipped)
+            print(f"zeros={zeros} sign_pack={sign_pack!s:<5} {name.strip('_')} {options}  "
+                  f"encode {100 * r['encode_gbs'] / copy:5.1f}%  decode {100 * r['decode_gbs'] / copy:5.1f}%")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -34,7 +34,10 @@ TILE = 4096
 """The tile size these kernels are built for (the format's default); others use the portable ones."""
 GROUP = 2
 """Tiles per program, which share one claim on the stream (measured: docs/benchmarks.md)."""
-NUM_WARPS = 4
+ENCODE_OPTIONS = {"num_warps": 4, "maxnreg": 80}
+"""Launch options: 80 registers a thread (from 90) fit six encoder programs per SM, not five
+(measured +4-6 points of copy bandwidth; 64 spilled and lost 10-20)."""
+DECODE_OPTIONS = {"num_warps": 4}
 
 # Arguments Triton must not specialize on: the compiled kernels then depend only on what
 # ``triton_codec._Launcher``'s keys hold.

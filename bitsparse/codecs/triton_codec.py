@@ -283,27 +283,30 @@ class _Launcher:
     element count's divisibility), the constexprs and the launch options determines the
     compiled kernel: the first launch with a key goes through Triton and keeps what it
     compiled, later ones call it directly. A GPU test checks that Triton agrees.
+
+    ``options`` are the kernel's launch options (``num_warps``, ``maxnreg``), fixed per kernel.
     """
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, **options):
         self._kernel = kernel
+        self.options = options
         self._compiled: dict[tuple, object] = {}
 
-    def __call__(self, grid: int, device: int, key: tuple, args: tuple, num_warps: int) -> None:
+    def __call__(self, grid: int, device: int, key: tuple, args: tuple) -> None:
         """Launch ``grid`` programs on CUDA device ``device`` with ``args`` (every parameter,
         constexprs included, in order); ``key`` must determine Triton's specialization."""
         if INTERPRETED:
-            self._kernel[(grid,)](*args, num_warps=num_warps)
+            self._kernel[(grid,)](*args, **self.options)
             return
         if device != torch.cuda.current_device():
             with torch.cuda.device(device):
-                self(grid, device, key, args, num_warps)
+                self(grid, device, key, args)
             return
-        key = (device, num_warps) + key
+        key = (device,) + key
         compiled = self._compiled.get(key)
         if compiled is None or _launch_hooks_set():
             # Triton's own path: compiles on first use, and runs any launch hooks (profilers).
-            self._compiled[key] = self._kernel[(grid,)](*args, num_warps=num_warps)
+            self._compiled[key] = self._kernel[(grid,)](*args, **self.options)
             return
         stream = torch._C._cuda_getCurrentRawStream(device)
         compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
@@ -316,12 +319,12 @@ def _launch_hooks_set() -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-_encode_launcher = _Launcher(_encode_kernel)
-_decode_launcher = _Launcher(_decode_kernel)
+_encode_launcher = _Launcher(_encode_kernel, num_warps=ENCODE_NUM_WARPS)
+_decode_launcher = _Launcher(_decode_kernel, num_warps=DECODE_NUM_WARPS)
 # Faster kernels for some cases on CUDA (their module says why they are Gluon and PTX).
 _GLUON = gluon_kernels is not None and not INTERPRETED
-_gluon_encode_launcher = _Launcher(gluon_kernels.encode_kernel) if _GLUON else None
-_gluon_decode_launcher = _Launcher(gluon_kernels.decode_kernel) if _GLUON else None
+_gluon_encode_launcher = _Launcher(gluon_kernels.encode_kernel, **gluon_kernels.ENCODE_OPTIONS) if _GLUON else None
+_gluon_decode_launcher = _Launcher(gluon_kernels.decode_kernel, **gluon_kernels.DECODE_OPTIONS) if _GLUON else None
 
 
 def _gluon_serves(tile: int, spec, stream: torch.Tensor) -> bool:
@@ -381,7 +384,7 @@ def encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, n
         constexprs = (tile, spec.bits, gluon_kernels.GROUP, sign_pack, nonzeros is not None, report is not None)
         args = (x, stream, fixed, cursor, appends, base, report_arg, nonzeros_arg, numel, capacity, num_tiles, programs)
         key = (x.dtype, _aligned(x), _aligned(fixed), _int_class(numel), capacity >= 1 << 31) + constexprs
-        _gluon_encode_launcher(programs, device, key, args + constexprs, gluon_kernels.NUM_WARPS)
+        _gluon_encode_launcher(programs, device, key, args + constexprs)
         return
     # Only sign packing needs a persistent grid (for its per-program scratch); without it one
     # program per tile measured faster (docs/benchmarks.md).
@@ -418,7 +421,7 @@ def encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, n
     ) + constexprs
     key = (x.dtype, _aligned(x), _aligned(stream), _aligned(fixed), _int_class(numel), _int_class(tiles_per_program))
     key += (capacity >= 1 << 31,) + constexprs
-    _encode_launcher(programs, device, key, args, ENCODE_NUM_WARPS)
+    _encode_launcher(programs, device, key, args)
 
 
 def decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None):
@@ -436,9 +439,9 @@ def decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None):
     if (sign_pack or spec.bits == 8) and _gluon_serves(tile, spec, stream):
         constexprs = (tile, spec.bits, sign_pack, square is not None)
         args = (out, square_arg, stream, fixed, base, numel, num_tiles) + constexprs
-        _gluon_decode_launcher(num_tiles, out.get_device(), key + constexprs, args, gluon_kernels.NUM_WARPS)
+        _gluon_decode_launcher(num_tiles, out.get_device(), key + constexprs, args)
         return
     parts = DECODE_PARTS[sign_pack]
     constexprs = (tile, spec.bits, sign_pack, not INTERPRETED, parts, square is not None)
     args = (out, square_arg, stream, fixed, base, numel, num_tiles) + constexprs
-    _decode_launcher(num_tiles * parts, out.get_device(), key + constexprs, args, DECODE_NUM_WARPS)
+    _decode_launcher(num_tiles * parts, out.get_device(), key + constexprs, args)
