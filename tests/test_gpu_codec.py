@@ -123,9 +123,10 @@ def test_many_tensors_in_one_buffer():
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=dtype_id)
 def test_gluon_and_portable_encoders_agree(dtype, sign_pack, monkeypatch):
     """The Gluon encoder serves CUDA; both encoders match the reference, tile by tile."""
-    gluon_launch = triton_codec._gluon_encode_launcher
+    bits = dtype.itemsize * 8
+    gluon_launch = triton_codec._gluon_encode_launchers[bits]
     calls = []
-    monkeypatch.setattr(triton_codec, "_gluon_encode_launcher", lambda *args: (calls.append(args), gluon_launch(*args)))
+    monkeypatch.setitem(triton_codec._gluon_encode_launchers, bits, lambda *args: (calls.append(args), gluon_launch(*args)))
     g = cuda_generator("encoders", dtype)
     buf = ValueBuffer(1 << 22, device="cuda")  # successive appends start anywhere in a 16-byte line
     cases = [(1, 0.5), (4095, 0.0), (4097, 0.9), (3 * 4096 + 17, 0.5), (2 * 4096, 1.0), (2**20 + 5, 0.999)]
@@ -170,7 +171,8 @@ def test_unaligned_stream_is_encoded_by_the_portable_encoder(monkeypatch):
     def refuse(*args):
         raise AssertionError("the Gluon encoder got an unaligned stream")
 
-    monkeypatch.setattr(triton_codec, "_gluon_encode_launcher", refuse)
+    for bits in triton_codec._gluon_encode_launchers:
+        monkeypatch.setitem(triton_codec._gluon_encode_launchers, bits, refuse)
     words = torch.empty(2**20 + 2, dtype=torch.int32, device="cuda")[1:]
     buf = ValueBuffer.wrap(words, torch.zeros(1, dtype=torch.int64, device="cuda"))
     x = make_input(3 * 4096 + 5, torch.bfloat16, 0.5, cuda_generator("unaligned"))

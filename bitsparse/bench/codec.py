@@ -171,26 +171,35 @@ def sweep(args: argparse.Namespace) -> None:
     """Try launch options of the kernels that serve bf16 on CUDA, and print each configuration."""
     from bitsparse.codecs import gluon_kernels, triton_codec
 
+    # (where the launcher lives: a module attribute or a key of the per-width encoders, kernel, options)
     configurations = [
-        ("_gluon_encode_launcher", gluon_kernels.encode_kernel, {"num_warps": w, "maxnreg": r})
+        (16, gluon_kernels.encode_kernel, {"num_warps": w, "maxnreg": r})
         for w, r in itertools.product((4, 8), (None, 72, 80, 96))
     ]
     configurations += [("_decode_launcher", triton_codec._decode_kernel, {"num_warps": w}) for w in (1, 2, 4)]
     configurations += [("_gluon_decode_launcher", gluon_kernels.decode_kernel, {"num_warps": w}) for w in (2, 4, 8)]
+
+    def install(place, launcher):
+        if isinstance(place, int):
+            shipped, triton_codec._gluon_encode_launchers[place] = triton_codec._gluon_encode_launchers[place], launcher
+        else:
+            shipped = getattr(triton_codec, place)
+            setattr(triton_codec, place, launcher)
+        return shipped
+
     torch.manual_seed(0)
     numel = 1 << args.log2_numel
     copy = copy_gbs(numel, args.reps, "cuda")
     for zeros, sign_pack in ((0.5, False), (0.9, False), (0.9, True)):
         x = relu_like(numel, zeros, torch.bfloat16, "cuda")
-        for name, kernel, options in configurations:
-            shipped = getattr(triton_codec, name)
+        for place, kernel, options in configurations:
             options = {key: value for key, value in options.items() if value is not None}
-            setattr(triton_codec, name, triton_codec._Launcher(kernel, **options))  # a fresh compile cache
+            shipped = install(place, triton_codec._Launcher(kernel, **options))  # a fresh compile cache
             try:
                 r = measure(x, sign_pack, "triton", args.reps)
             finally:
-                setattr(triton_codec, name, shipped)
-            print(f"zeros={zeros} sign_pack={sign_pack!s:<5} {name.strip('_')} {options}  "
+                install(place, shipped)
+            print(f"zeros={zeros} sign_pack={sign_pack!s:<5} {kernel.__name__} {options}  "
                   f"encode {100 * r['encode_gbs'] / copy:5.1f}%  decode {100 * r['decode_gbs'] / copy:5.1f}%")
 
 

@@ -34,9 +34,11 @@ TILE = 4096
 """The tile size these kernels are built for (the format's default); others use the portable ones."""
 GROUP = 2
 """Tiles per program, which share one claim on the stream (measured: docs/benchmarks.md)."""
-ENCODE_OPTIONS = {"num_warps": 4, "maxnreg": 80}
-"""Launch options: 80 registers a thread (from 90) fit six encoder programs per SM, not five
-(measured +4-6 points of copy bandwidth; 64 spilled and lost 10-20)."""
+ENCODE_OPTIONS = {8: {"num_warps": 4, "maxnreg": 80}, 16: {"num_warps": 4, "maxnreg": 80}, 32: {"num_warps": 4}}
+"""Launch options by value width: capped at 80 registers a thread (from 90), six encoder
+programs fit an SM instead of five: +1-4 points of copy bandwidth for 8- and 16-bit values
+(64 spilled and lost 10-20). 32-bit values hold twice the registers: capped, they fell from
+91% to 37%, so they run uncapped."""
 DECODE_OPTIONS = {"num_warps": 4}
 
 # Arguments Triton must not specialize on: the compiled kernels then depend only on what

@@ -323,7 +323,11 @@ _encode_launcher = _Launcher(_encode_kernel, num_warps=ENCODE_NUM_WARPS)
 _decode_launcher = _Launcher(_decode_kernel, num_warps=DECODE_NUM_WARPS)
 # Faster kernels for some cases on CUDA (their module says why they are Gluon and PTX).
 _GLUON = gluon_kernels is not None and not INTERPRETED
-_gluon_encode_launcher = _Launcher(gluon_kernels.encode_kernel, **gluon_kernels.ENCODE_OPTIONS) if _GLUON else None
+_gluon_encode_launchers = (
+    {bits: _Launcher(gluon_kernels.encode_kernel, **options) for bits, options in gluon_kernels.ENCODE_OPTIONS.items()}
+    if _GLUON
+    else {}
+)
 _gluon_decode_launcher = _Launcher(gluon_kernels.decode_kernel, **gluon_kernels.DECODE_OPTIONS) if _GLUON else None
 
 
@@ -384,7 +388,7 @@ def encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, n
         constexprs = (tile, spec.bits, gluon_kernels.GROUP, sign_pack, nonzeros is not None, report is not None)
         args = (x, stream, fixed, cursor, appends, base, report_arg, nonzeros_arg, numel, capacity, num_tiles, programs)
         key = (x.dtype, _aligned(x), _aligned(fixed), _int_class(numel), capacity >= 1 << 31) + constexprs
-        _gluon_encode_launcher(programs, device, key, args + constexprs)
+        _gluon_encode_launchers[spec.bits](programs, device, key, args + constexprs)
         return
     # Only sign packing needs a persistent grid (for its per-program scratch); without it one
     # program per tile measured faster (docs/benchmarks.md).
