@@ -362,7 +362,7 @@ def encode_kernel(
     chunk_index = gl.arange(0, CHUNKS, layout=gl.SliceLayout(0, word_layout))[None, :]
     lane_value = gl.arange(0, VECTOR, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))[None, None, :]
     index = first_tile * TILE + (row * 32 + chunk_index * VECTOR)[:, :, None] + lane_value
-    if (first_tile + GROUP) * TILE <= numel:
+    if first_tile * TILE <= numel - GROUP * TILE:  # the group is whole (in int32: numel < 2**31)
         x = gl.load(x_ptr + index).to(_int_type(BITS), bitcast=True)
     else:
         x = gl.load(x_ptr + index, mask=index < numel, other=0).to(_int_type(BITS), bitcast=True)
@@ -532,7 +532,7 @@ def decode_kernel(
         pack=ELEMENTS,
     )
     value = bits.to(_int_type(BITS)).to(out_ptr.dtype.element_ty, bitcast=True)
-    if (tile + 1) * TILE <= numel:
+    if tile * TILE <= numel - TILE:  # the tile is whole (in int32: numel < 2**31)
         _store_tile(out_ptr, square_ptr, index, value, None, SQUARE)
     else:
         _store_tile(out_ptr, square_ptr, index, value, index < numel, SQUARE)
