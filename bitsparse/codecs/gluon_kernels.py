@@ -51,7 +51,8 @@ _DECODE_UNSPECIALIZED = ["base_ptr", "num_tiles"]
 
 def supports(tile_size: int, itemsize: int) -> bool:
     """Whether these kernels handle tiles of ``tile_size`` elements of ``itemsize`` bytes (the
-    encoder's shared buffer, a group of tiles, must fit the 48 KiB of static shared memory)."""
+    encoder's shared buffer, a group of tiles and some slack, must fit the 48 KiB of static
+    shared memory)."""
     return tile_size == TILE and GROUP * TILE * itemsize <= 32 * 1024
 
 
@@ -80,12 +81,18 @@ def _run_copy_ptx(lead, stop, address, threads, into_shared):
     where buffer byte 0 is at the 16-byte aligned ``address``. Thread t handles bytes
     [16 b, 16 b + 16) for b = t, t + threads, ...: whole vectors inside the run, single words
     at its two ends (the rest of those vectors belongs to other runs)."""
-    if into_shared:
-        vector = ["ld.global.v4.b32 {v0, v1, v2, v3}, [g];", "st.shared.v4.b32 [a], {v0, v1, v2, v3};"]
-        word = lambda i: [f"@p ld.global.b32 v{i}, [g+{4 * i}];", f"@p st.shared.b32 [a+{4 * i}], v{i};"]  # noqa: E731
-    else:
-        vector = ["ld.shared.v4.b32 {v0, v1, v2, v3}, [a];", "st.global.v4.b32 [g], {v0, v1, v2, v3};"]
-        word = lambda i: [f"@p ld.shared.b32 v{i}, [a+{4 * i}];", f"@p st.global.b32 [g+{4 * i}], v{i};"]  # noqa: E731
+    source, target = ("global", "shared") if into_shared else ("shared", "global")
+    address_of = {"global": "g", "shared": "a"}
+    vector = [
+        f"ld.{source}.v4.b32 {{v0, v1, v2, v3}}, [{address_of[source]}];",
+        f"st.{target}.v4.b32 [{address_of[target]}], {{v0, v1, v2, v3}};",
+    ]
+
+    def word(i):
+        return [
+            f"@p ld.{source}.b32 v{i}, [{address_of[source]}+{4 * i}];",
+            f"@p st.{target}.b32 [{address_of[target]}+{4 * i}], v{i};",
+        ]
     lines = [
         "mov.u32 b, %tid.x;",
         "shl.b32 b, b, 4;",
