@@ -13,9 +13,10 @@ compacted there first, then each output word is assembled from the at most
 ``floor(31 / b) + 2`` values that overlap it, so every word is written once, whole.
 
 On CUDA, with the default tile size and an aligned stream, ``gluon_kernels`` encodes, and
-decodes streams that may hold packed tiles or 8-bit values: its kernels stage a tile's values
-in shared memory and move the stream in wide accesses (1.3x to 6x faster, docs/benchmarks.md). The kernels here
-are the portable ones, and the ones the CPU tests run under the interpreter.
+decodes streams that may hold packed tiles or 8-bit values: its kernels stage a tile's
+values in shared memory and move the stream in wide accesses (1.3x to 6x faster,
+docs/benchmarks.md). The kernels here are the portable ones, and the ones the CPU tests run
+under the interpreter.
 
 Decoding runs one program per tile (per quarter tile when tiles may be packed): the same
 rank computation, then a gather (raw values) or a two-word funnel shift (packed values) for
@@ -43,7 +44,7 @@ from bitsparse.format import WORD_BITS
 
 try:
     from bitsparse.codecs import gluon_kernels
-except ImportError:  # a Triton without Gluon (before 3.5)
+except ImportError:  # a Triton without Gluon
     gluon_kernels = None
 
 name = "triton"
@@ -324,7 +325,8 @@ _decode_launcher = _Launcher(_decode_kernel, num_warps=DECODE_NUM_WARPS)
 # Faster kernels for some cases on CUDA (their module says why they are Gluon and PTX).
 # Gluon's API is experimental: they run on the Triton they were written and tested for.
 GLUON_TRITON = (3, 6)
-_GLUON = gluon_kernels is not None and not INTERPRETED and tuple(map(int, triton.__version__.split(".")[:2])) == GLUON_TRITON
+_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2])
+_GLUON = gluon_kernels is not None and not INTERPRETED and _TRITON == GLUON_TRITON
 _gluon_encode_launchers = (
     {bits: _Launcher(gluon_kernels.encode_kernel, **options) for bits, options in gluon_kernels.ENCODE_OPTIONS.items()}
     if _GLUON
