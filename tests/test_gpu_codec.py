@@ -126,7 +126,9 @@ def test_gluon_and_portable_encoders_agree(dtype, sign_pack, monkeypatch):
     bits = dtype.itemsize * 8
     gluon_launch = triton_codec._gluon_encode_launchers[bits]
     calls = []
-    monkeypatch.setitem(triton_codec._gluon_encode_launchers, bits, lambda *args: (calls.append(args), gluon_launch(*args)))
+    monkeypatch.setitem(
+        triton_codec._gluon_encode_launchers, bits, lambda *args: (calls.append(args), gluon_launch(*args))
+    )
     g = cuda_generator("encoders", dtype)
     buf = ValueBuffer(1 << 22, device="cuda")  # successive appends start anywhere in a 16-byte line
     cases = [(1, 0.5), (4095, 0.0), (4097, 0.9), (3 * 4096 + 17, 0.5), (2 * 4096, 1.0), (2**20 + 5, 0.999)]
@@ -212,7 +214,9 @@ def test_launch_key_determines_the_compiled_kernel(monkeypatch):
             x = make_input(5000, dtype, 0.5, g)
             assert_bitwise_equal(decompress(compress(x, sign_pack=True)), x)
         # Many programs (the portable encoder's persistent grid for sign packing runs two tiles each).
-        x = make_input(2 * triton_codec._encode_programs(torch.cuda.current_device()) * 4096 + 5, torch.bfloat16, 0.5, g)
+        x = make_input(
+            2 * triton_codec._encode_programs(torch.cuda.current_device()) * 4096 + 5, torch.bfloat16, 0.5, g
+        )
         assert_bitwise_equal(decompress(compress(x, sign_pack=True)), x)
     assert len(launches) == 2 * 2 * (2 * 5 + len(GPU_DTYPES) + 1)
 

@@ -118,10 +118,14 @@ def run(args: argparse.Namespace) -> list[dict]:
     torch.manual_seed(0)
     copy = copy_gbs(numel, reps, device)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    print(f"{name}: device-to-device copy {copy:.0f} GB/s (bytes read + written), "
-          f"{numel} elements per case, {backend} backend")
-    print(f"{'dtype':<14}{'zeros':>6}{'packed':>7}{'ratio':>7}{'encode GB/s':>13}{'%copy':>7}"
-          f"{'decode GB/s':>13}{'%copy':>7}")
+    print(
+        f"{name}: device-to-device copy {copy:.0f} GB/s (bytes read + written), "
+        f"{numel} elements per case, {backend} backend"
+    )
+    print(
+        f"{'dtype':<14}{'zeros':>6}{'packed':>7}{'ratio':>7}{'encode GB/s':>13}{'%copy':>7}"
+        f"{'decode GB/s':>13}{'%copy':>7}"
+    )
     rows = []
     for dtype, zeros, sign_pack in CASES:
         x = relu_like(numel, zeros, dtype, device)
@@ -137,9 +141,11 @@ def run(args: argparse.Namespace) -> list[dict]:
             "copy_gbs": copy,
         }
         rows.append(row)
-        print(f"{row['dtype']:<14}{zeros:>6.2f}{str(sign_pack):>7}{row['ratio']:>7.2f}"
-              f"{row['encode_gbs']:>13.0f}{row['encode_pct_copy']:>6.1f}%"
-              f"{row['decode_gbs']:>13.0f}{row['decode_pct_copy']:>6.1f}%")
+        print(
+            f"{row['dtype']:<14}{zeros:>6.2f}{str(sign_pack):>7}{row['ratio']:>7.2f}"
+            f"{row['encode_gbs']:>13.0f}{row['encode_pct_copy']:>6.1f}%"
+            f"{row['decode_gbs']:>13.0f}{row['decode_pct_copy']:>6.1f}%"
+        )
     os.makedirs(args.out, exist_ok=True)
     write_csv(os.path.join(args.out, "codec.csv"), rows)
     plot(os.path.join(args.out, "codec.png"), rows, f"{name}, {numel} elements, {backend} backend")
@@ -199,8 +205,10 @@ def sweep(args: argparse.Namespace) -> None:
                 r = measure(x, sign_pack, "triton", args.reps)
             finally:
                 install(place, shipped)
-            print(f"zeros={zeros} sign_pack={sign_pack!s:<5} {kernel.__name__} {options}  "
-                  f"encode {100 * r['encode_gbs'] / copy:5.1f}%  decode {100 * r['decode_gbs'] / copy:5.1f}%")
+            print(
+                f"zeros={zeros} sign_pack={sign_pack!s:<5} {kernel.__name__} {options}  "
+                f"encode {100 * r['encode_gbs'] / copy:5.1f}%  decode {100 * r['decode_gbs'] / copy:5.1f}%"
+            )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -93,6 +93,7 @@ def _run_copy_ptx(lead, stop, address, threads, into_shared):
             f"@p ld.{source}.b32 v{i}, [{address_of[source]}+{4 * i}];",
             f"@p st.{target}.b32 [{address_of[target]}+{4 * i}], v{i};",
         ]
+
     lines = [
         "mov.u32 b, %tid.x;",
         "shl.b32 b, b, 4;",
@@ -467,7 +468,6 @@ def encode_kernel(
             is_pure=False,
             pack=ELEMENTS,
         )
-
 
     # The last program to finish moves the cursor past this append.
     # Release/acquire order every program's claim and its read of the cursor before this.
