@@ -30,6 +30,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.runtime.jit import constexpr_function
 
+from bitsparse.codecs.appends import finish_append
+
 TILE = 4096
 """The tile size these kernels are built for (the format's default); others use the portable ones."""
 GROUP = 2
@@ -469,14 +471,7 @@ def encode_kernel(
             pack=ELEMENTS,
         )
 
-    # The last program to finish moves the cursor past this append.
-    # Release/acquire order every program's claim and its read of the cursor before this.
-    if gl.atomic_add(appends_ptr + 1, 1, sem="acq_rel") == num_programs - 1:
-        end = base + gl.atomic_xchg(appends_ptr, 0, sem="acquire")
-        gl.atomic_xchg(appends_ptr + 1, 0, sem="relaxed")
-        gl.store(cursor_ptr, end)
-        if REPORT:
-            gl.store(report_ptr, end + 1)
+    finish_append(appends_ptr, cursor_ptr, report_ptr, base, num_programs, REPORT)
 
 
 @gluon.jit(do_not_specialize=_DECODE_UNSPECIALIZED, do_not_specialize_on_alignment=_DECODE_UNSPECIALIZED)

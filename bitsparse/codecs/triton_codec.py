@@ -40,6 +40,7 @@ from triton import knobs
 from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
+from bitsparse.codecs.appends import finish_append
 from bitsparse.format import WORD_BITS
 
 try:
@@ -212,14 +213,7 @@ def _encode_kernel(
                 mask=(j < length) & packed & fits,
             )
             tl.debug_barrier()
-    # The last program to finish moves the cursor past this append and clears the scratch.
-    # Release/acquire order every program's claim and its read of the cursor before this.
-    if tl.atomic_add(appends_ptr + 1, 1, sem="acq_rel") == num_programs - 1:
-        end = base + tl.atomic_xchg(appends_ptr, 0, sem="acquire")
-        tl.atomic_xchg(appends_ptr + 1, 0, sem="relaxed")
-        tl.store(cursor_ptr, end)
-        if REPORT:
-            tl.store(report_ptr, end + 1)
+    finish_append(appends_ptr, cursor_ptr, report_ptr, base, num_programs, REPORT)
 
 
 @triton.jit(do_not_specialize=_DECODE_UNSPECIALIZED, do_not_specialize_on_alignment=_DECODE_UNSPECIALIZED)
