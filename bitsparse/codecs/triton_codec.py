@@ -316,11 +316,11 @@ def _launch_hooks_set() -> bool:
 
 _encode_launcher = _Launcher(_encode_kernel, num_warps=ENCODE_NUM_WARPS)
 _decode_launcher = _Launcher(_decode_kernel, num_warps=DECODE_NUM_WARPS)
-# Faster kernels for some cases on CUDA (their module says why they are Gluon and PTX).
-# Gluon's API is experimental: they run on the Triton they were written and tested for.
+# Faster kernels for some cases on NVIDIA GPUs (their module says why they are Gluon and
+# PTX). Gluon's API is experimental: they run on the Triton they were written and tested for.
 GLUON_TRITON = (3, 6)
 _TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2])
-_GLUON = gluon_kernels is not None and not INTERPRETED and _TRITON == GLUON_TRITON
+_GLUON = gluon_kernels is not None and not INTERPRETED and _TRITON == GLUON_TRITON and torch.version.hip is None
 _gluon_encode_launchers = (
     {bits: _Launcher(gluon_kernels.encode_kernel, **options) for bits, options in gluon_kernels.ENCODE_OPTIONS.items()}
     if _GLUON
