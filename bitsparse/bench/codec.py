@@ -101,6 +101,17 @@ def measure(x: torch.Tensor, sign_pack: bool, backend: str, reps: int) -> dict:
     }
 
 
+def kernels_in_use(backend: str, device) -> str:
+    """Which Triton kernels serve the cases, for the header (see ``triton_codec``)."""
+    if backend != "triton" or device != "cuda":
+        return ""
+    from bitsparse.codecs import triton_codec
+
+    if triton_codec._GLUON:
+        return " (Gluon encoder; Gluon decoder where tiles may be packed or values are 8-bit)"
+    return " (portable kernels)"
+
+
 def copy_gbs(numel: int, reps: int, device) -> float:
     src = torch.empty(numel * 2, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
@@ -120,7 +131,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     print(
         f"{name}: device-to-device copy {copy:.0f} GB/s (bytes read + written), "
-        f"{numel} elements per case, {backend} backend"
+        f"{numel} elements per case, {backend} backend{kernels_in_use(backend, device)}"
     )
     print(
         f"{'dtype':<14}{'zeros':>6}{'packed':>7}{'ratio':>7}{'encode GB/s':>13}{'%copy':>7}"
