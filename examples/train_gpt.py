@@ -14,19 +14,16 @@ The first step checks that the gradients with and without BitSparse are identica
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import sysconfig
 import time
 from pathlib import Path
 
-# Bit-exact gradient checks on CUDA need deterministic cuBLAS; set before CUDA starts.
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+import torch
 
-import torch  # noqa: E402
-
-import bitsparse  # noqa: E402
-from bitsparse.bench.models import GPT, GPTConfig  # noqa: E402
+import bitsparse
+from bitsparse.bench.models import GPT, GPTConfig
+from bitsparse.bench.training import deterministic_kernels
 
 CONFIGS = {
     # name: (model, sequence length, batch size, steps, learning rate)
@@ -71,14 +68,10 @@ def gradients(model, tokens, targets, compressed: bool) -> list[torch.Tensor]:
 
 def check_gradients(model, tokens, targets) -> str:
     """Compare one step's gradients with and without BitSparse, bit for bit."""
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    with deterministic_kernels():
         plain = gradients(model, tokens, targets, compressed=False)
         again = gradients(model, tokens, targets, compressed=False)
         compressed = gradients(model, tokens, targets, compressed=True)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
     if not all(torch.equal(a, b) for a, b in zip(plain, again)):
         return "not compared: two plain runs already differ on this device (nondeterministic kernels)"
     if not all(torch.equal(a, b) for a, b in zip(plain, compressed)):

@@ -14,8 +14,6 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-
 import torch
 from torch.profiler import ProfilerActivity, profile
 

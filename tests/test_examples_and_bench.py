@@ -2,6 +2,7 @@
 
 import csv
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from bitsparse.bench.__main__ import main as bench
 from bitsparse.bench.codec import CASES
-from bitsparse.bench.training import MODES
+from bitsparse.bench.training import CUBLAS_DETERMINISTIC_WORKSPACE, MODES, deterministic_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,3 +71,20 @@ def test_codec_suite_quick(tmp_path):
     rows = read_csv(tmp_path / "codec.csv")
     assert len(rows) == len(CASES) and is_png(tmp_path / "codec.png")
     assert all(float(r["encode_gbs"]) > 0 and float(r["decode_gbs"]) > 0 for r in rows)
+
+
+@pytest.mark.parametrize("workspace", [None, ":16:8"])
+def test_deterministic_kernels_only_inside_the_block(monkeypatch, workspace):
+    # Timed steps run outside: the variable costs host time on every matrix product.
+    if workspace is None:
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", workspace)
+    enabled = torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(KeyError):
+        with deterministic_kernels():
+            assert torch.are_deterministic_algorithms_enabled()
+            assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_DETERMINISTIC_WORKSPACE
+            raise KeyError("restored on errors too")
+    assert torch.are_deterministic_algorithms_enabled() == enabled
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == workspace

@@ -1,12 +1,11 @@
 """The training hooks on CUDA: exact bf16 gradients and no host synchronization."""
 
-import os
-
 import pytest
 import torch
 
 import bitsparse
 from bitsparse.bench.models import GPT, GPTConfig, MLPStack, shift_to_sparsity
+from bitsparse.bench.training import deterministic_kernels
 
 pytestmark = [
     pytest.mark.gpu,
@@ -17,10 +16,8 @@ pytestmark = [
 @pytest.fixture(autouse=True)
 def deterministic():
     """Bit-exact comparisons need deterministic kernels (embedding backward, cuBLAS)."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(False)
+    with deterministic_kernels():
+        yield
     bitsparse.disable()
 
 

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from bitsparse.bench import codec, gpt, mlp
 
 
 def main(argv: list[str] | None = None) -> None:
-    # Deterministic cuBLAS for the bit-exact gradient checks; must be set before cuBLAS starts.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     parser = argparse.ArgumentParser(prog="python -m bitsparse.bench", description=__doc__)
     suites = parser.add_subparsers(dest="suite", required=True)
     codec.add_arguments(suites.add_parser("codec", help="encode/decode bandwidth against a copy"))

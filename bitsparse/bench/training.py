@@ -25,6 +25,31 @@ import bitsparse
 from bitsparse.bench.models import shift_to_sparsity
 
 MODES = ("dense", "checkpoint", "offload", "bitsparse", "bitsparse-15bit")
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+
+
+@contextlib.contextmanager
+def deterministic_kernels():
+    """Deterministic kernels inside the block, for comparing gradients bit for bit.
+
+    Turns on ``torch.use_deterministic_algorithms`` (warning only) and sets
+    ``CUBLAS_WORKSPACE_CONFIG``, which cuBLAS needs to be deterministic; both are restored on
+    exit. Never time steps inside: PyTorch 2.11 reads the variable on every matrix product,
+    which cost 40 us of host time per product and 110 us per linear layer with a bias on the
+    H200's host, enough to make a GPT step host-bound (docs/benchmarks.md).
+    """
+    enabled = torch.are_deterministic_algorithms_enabled()
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC_WORKSPACE
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled)
+        if workspace is None:
+            del os.environ["CUBLAS_WORKSPACE_CONFIG"]
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
 
 
 def mode_context(mode: str, **bitsparse_options):
@@ -81,23 +106,21 @@ def compare_modes(
 
     memory, grads, ratios = {}, {}, {}
     # Gradients are compared bit for bit, which needs deterministic kernels (see docs/design.md).
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    for mode in modes:
-        model.zero_grad(set_to_none=False)
-        device_sync()
-        arena = bitsparse.stats().arena_capacity if mode.startswith("bitsparse") else 0
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        step(mode)
-        device_sync()
-        if cuda:
-            memory[mode] = torch.cuda.max_memory_allocated() - base + arena
-        grads[mode] = _grads(model)
-        if mode.startswith("bitsparse"):
-            ratios[mode] = bitsparse.stats().ratio
-    torch.use_deterministic_algorithms(deterministic)
+    with deterministic_kernels():
+        for mode in modes:
+            model.zero_grad(set_to_none=False)
+            device_sync()
+            arena = bitsparse.stats().arena_capacity if mode.startswith("bitsparse") else 0
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            step(mode)
+            device_sync()
+            if cuda:
+                memory[mode] = torch.cuda.max_memory_allocated() - base + arena
+            grads[mode] = _grads(model)
+            if mode.startswith("bitsparse"):
+                ratios[mode] = bitsparse.stats().ratio
 
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     for _ in range(repeats):
@@ -120,9 +143,8 @@ def compare_modes(
     reference = grads.get("dense")
     if reference is not None:
         model.zero_grad(set_to_none=False)
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        step("dense")
-        torch.use_deterministic_algorithms(deterministic)
+        with deterministic_kernels():
+            step("dense")
         if not all(torch.equal(a, b) for a, b in zip(reference, _grads(model))):
             reference = None
     dense_ms = statistics.median(times["dense"]) if "dense" in times else None
