@@ -26,7 +26,7 @@ class _Installation:
 
     def __init__(self, options: Options):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(
-            functools.partial(_session.pack, options=options), _session.unpack
+            functools.partial(_session.pack, options), _session.unpack
         )
 
     def __enter__(self):

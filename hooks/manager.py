@@ -99,6 +99,12 @@ class Stats:
     ``stored_bytes`` what they take now (masks, tile words and values; a fallback counts
     dense). ``ratio = dense_bytes / stored_bytes``. ``zero_fraction`` is over the compressed
     tensors. Deduplicated and recomputed saves cost nothing and are counted apart.
+    ``tensors_skipped`` counts saved tensors kept as they are, by the first reason that
+    applies: ``small`` (fewer than ``min_numel`` elements), ``parameter`` (a parameter or a
+    view of one), ``not_relu_family`` (``select="relu"`` and neither a ReLU-family producer
+    nor a mark), ``dtype``, ``layout_or_device``, ``large`` (more elements than one
+    ``compress`` call takes), ``unprofitable_site`` and ``overlapping_or_gapped`` (no
+    permutation of the dims makes it contiguous).
     ``fallbacks`` counts tensors kept dense by reason: ``arena_full`` (no room left) and
     ``other_stream`` (saved on another CUDA stream than the step's first stored tensor).
     """
@@ -195,16 +201,14 @@ class Session:
 
     # -- hooks ------------------------------------------------------------------------------
 
-    def pack(self, t: torch.Tensor, options: Options):
-        # Most saved tensors are skipped: decide that first, cheaply.
-        reason = self._skip_reason(t, options)
-        provenance = order = site = None
+    def pack(self, options: Options, t: torch.Tensor):
+        # Runs for every saved tensor (about 400 per GPT forward, between the model's ops, where
+        # the host often bounds the step), and most are skipped: decide that first, cheaply.
+        reason, provenance = self._screen(t, options)
+        order = site = None
         if reason is None:
-            provenance = self._provenance(t)
-            if provenance is None and options.select == "relu":
-                reason = "not_relu_family"
             # Tensors not proven ReLU-family are compressed only while their site pays.
-            elif provenance is not Provenance.RELU and (site := self._site(t)) in self._unprofitable:
+            if provenance is not Provenance.RELU and (site := self._site(t)) in self._unprofitable:
                 reason = "unprofitable_site"
             else:
                 # Compressed in memory order, the tensor is restored with its own strides
@@ -215,8 +219,7 @@ class Session:
         with self._lock:
             if self._live == 0 and self._collector.arenas:
                 self._begin_step()
-            stats = self._collector.stats
-            stats.tensors_seen += 1
+            self._collector.stats.tensors_seen += 1
             if reason is not None:
                 self._collector.skipped[reason] += 1
                 return t
@@ -224,11 +227,11 @@ class Session:
             self._poll()
             found = self._find_stored(t)
             if found is not None:
-                stats.tensors_deduplicated += 1
+                self._collector.stats.tensors_deduplicated += 1
             elif options.recompute_squares:
                 found = self._recompute(t)
                 if found is not None:
-                    stats.tensors_recomputed += 1
+                    self._collector.stats.tensors_recomputed += 1
             if found is None:
                 handle = self._store(
                     t,
@@ -253,29 +256,28 @@ class Session:
 
     # -- decisions --------------------------------------------------------------------------
 
-    @staticmethod
-    def _skip_reason(t: torch.Tensor, options: Options) -> str | None:
-        # Ordered by how often each check rejects a saved tensor: every pack runs this.
+    def _screen(self, t: torch.Tensor, options: Options) -> tuple[str | None, Provenance | None]:
+        """Why ``t`` is skipped (None if it is not) and its provenance, cheapest checks first."""
         numel = t.numel()
         if numel < options.min_numel or not numel:
-            return "small"
-        if t.dtype not in SUPPORTED_DTYPES:
-            return "dtype"
+            return "small", None
         base = t._base
         if base is None:
             base = t
         if base.requires_grad and base.is_leaf:  # a parameter, or a view of one (weight.t())
-            return "parameter"
+            return "parameter", None
+        provenance = classify_node(t.grad_fn)
+        if provenance is None and self.marks.covers(t):
+            provenance = Provenance.RELU
+        if provenance is None and options.select == "relu":
+            return "not_relu_family", None
+        if t.dtype not in SUPPORTED_DTYPES:
+            return "dtype", provenance
         if t.layout != torch.strided or not (t.is_cuda or t.is_cpu):
-            return "layout_or_device"
+            return "layout_or_device", provenance
         if numel > MAX_NUMEL:
-            return "large"
-        return None
-
-    def _provenance(self, t: torch.Tensor) -> Provenance | None:
-        if self.marks.covers(t):
-            return Provenance.RELU
-        return classify_node(t.grad_fn)
+            return "large", provenance
+        return None, provenance
 
     @staticmethod
     def _site(t: torch.Tensor) -> tuple:
