@@ -119,6 +119,17 @@ def copy_gbs(numel: int, reps: int, device) -> float:
     return 2 * src.numel() / ms / 1e6
 
 
+def one_way_gbs(numel: int, reps: int, device) -> tuple[float, float]:
+    """Bandwidth of writing only (a fill) and of reading only (a max reduction) as many bytes
+    as the copy moves: bounds for decoding, which mostly writes, and encoding, which mostly
+    reads, when the memory serves one direction slower than the mix of a copy."""
+    buffer = torch.empty(numel * 4, dtype=torch.uint8, device=device).random_()
+    fill_ms = time_ms(lambda: buffer.fill_(1), reps=reps)
+    words = buffer.view(torch.int32)
+    read_ms = time_ms(lambda: torch.amax(words), reps=reps)
+    return buffer.numel() / fill_ms / 1e6, buffer.numel() / read_ms / 1e6
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     if args.quick:  # a small CPU version, for the test suite
         device, numel, reps, backend = "cpu", 1 << 16, 3, "torch"
@@ -129,9 +140,14 @@ def run(args: argparse.Namespace) -> list[dict]:
     torch.manual_seed(0)
     copy = copy_gbs(numel, reps, device)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    write_only, read_only = one_way_gbs(numel, reps, device)
     print(
         f"{name}: device-to-device copy {copy:.0f} GB/s (bytes read + written), "
         f"{numel} elements per case, {backend} backend{kernels_in_use(backend, device)}"
+    )
+    print(
+        f"one way: writing only {write_only:.0f} GB/s ({100 * write_only / copy:.1f}% of copy), "
+        f"reading only {read_only:.0f} GB/s ({100 * read_only / copy:.1f}%)"
     )
     print(
         f"{'dtype':<14}{'zeros':>6}{'packed':>7}{'ratio':>7}{'encode GB/s':>13}{'%copy':>7}"
@@ -150,6 +166,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             "encode_pct_copy": 100 * result["encode_gbs"] / copy,
             "decode_pct_copy": 100 * result["decode_gbs"] / copy,
             "copy_gbs": copy,
+            "write_only_gbs": write_only,
+            "read_only_gbs": read_only,
         }
         rows.append(row)
         print(

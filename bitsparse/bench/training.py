@@ -105,7 +105,7 @@ def compare_modes(
     model.zero_grad(set_to_none=False)
 
     memory, grads, ratios = {}, {}, {}
-    # Gradients are compared bit for bit, which needs deterministic kernels (see docs/design.md).
+    # Gradients are compared bit for bit, which needs deterministic kernels.
     with deterministic_kernels():
         for mode in modes:
             model.zero_grad(set_to_none=False)
