@@ -219,7 +219,8 @@ class Session:
         with self._lock:
             if self._live == 0 and self._collector.arenas:
                 self._begin_step()
-            self._collector.stats.tensors_seen += 1
+            stats = self._collector.stats
+            stats.tensors_seen += 1
             if reason is not None:
                 self._collector.skipped[reason] += 1
                 return t
@@ -227,11 +228,11 @@ class Session:
             self._poll()
             found = self._find_stored(t)
             if found is not None:
-                self._collector.stats.tensors_deduplicated += 1
+                stats.tensors_deduplicated += 1
             elif options.recompute_squares:
                 found = self._recompute(t)
                 if found is not None:
-                    self._collector.stats.tensors_recomputed += 1
+                    stats.tensors_recomputed += 1
             if found is None:
                 handle = self._store(
                     t,
@@ -267,7 +268,7 @@ class Session:
         if base.requires_grad and base.is_leaf:  # a parameter, or a view of one (weight.t())
             return "parameter", None
         provenance = classify_node(t.grad_fn)
-        if provenance is None and self.marks.covers(t):
+        if provenance is not Provenance.RELU and self.marks.covers(t):
             provenance = Provenance.RELU
         if provenance is None and options.select == "relu":
             return "not_relu_family", None

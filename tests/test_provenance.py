@@ -131,6 +131,26 @@ def test_a_hidden_site_that_does_not_pay_is_tried_once():
     assert s.tensors_skipped["unprofitable_site"] == 2
 
 
+class MarkedHiddenOnView(HiddenOnView):
+    """The author marks the hidden tensor before the Linear saves it."""
+
+    def forward(self, x):
+        return self.out(bitsparse.mark(getattr(self.fc(x), self.op)()))
+
+
+def test_a_marked_tensor_is_compressed_even_where_its_site_does_not_pay():
+    model, x = MarkedHiddenOnView("sigmoid_"), torch.randn(4, 16, 32, requires_grad=True)
+    expected = train_step(model, x, contextlib.nullcontext())
+    compressed = []
+    for _ in range(3):
+        got = train_step(model, x, bitsparse.compressing(min_numel=MIN_NUMEL))
+        assert_same_grads(got, expected)
+        compressed.append(bitsparse.stats().tensors_compressed)
+    # Step 1 stores sigmoid_'s save (hidden: tried) and shares it with the Linear's; from
+    # step 2 on that site is skipped, and the Linear's save, marked, is stored itself.
+    assert compressed == [1, 1, 1]
+
+
 def test_an_overflow_does_not_teach_that_a_site_does_not_pay():
     model, x = HiddenOnView("relu_"), torch.randn(4, 16, 32, requires_grad=True)
     expected = train_step(model, x, contextlib.nullcontext())
