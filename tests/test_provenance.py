@@ -107,28 +107,29 @@ class HiddenOnView(nn.Module):
         return self.out(h)
 
 
-def test_a_hidden_relu_is_compressed_every_step():
-    model, x = HiddenOnView("relu_"), torch.randn(4, 16, 32, requires_grad=True)
+def stats_per_step(model: nn.Module, steps: int, **options) -> list:
+    """Train ``steps`` steps under ``compressing(min_numel=MIN_NUMEL, **options)``, checking
+    each step's gradients against a plain step; the stats of every step."""
+    x = torch.randn(4, 16, 32, requires_grad=True)
     expected = train_step(model, x, contextlib.nullcontext())
-    for _ in range(3):
-        got = train_step(model, x, bitsparse.compressing(min_numel=MIN_NUMEL))
+    stats = []
+    for _ in range(steps):
+        got = train_step(model, x, bitsparse.compressing(min_numel=MIN_NUMEL, **options))
         assert_same_grads(got, expected)
-        s = bitsparse.stats()
+        stats.append(bitsparse.stats())
+    return stats
+
+
+def test_a_hidden_relu_is_compressed_every_step():
+    for s in stats_per_step(HiddenOnView("relu_"), 3):
         assert s.tensors_compressed == 1 and "unprofitable_site" not in s.tensors_skipped
 
 
 def test_a_hidden_site_that_does_not_pay_is_tried_once():
-    model, x = HiddenOnView("sigmoid_"), torch.randn(4, 16, 32, requires_grad=True)
-    expected = train_step(model, x, contextlib.nullcontext())
-    compressed = []
-    for _ in range(3):
-        got = train_step(model, x, bitsparse.compressing(min_numel=MIN_NUMEL))
-        assert_same_grads(got, expected)
-        s = bitsparse.stats()
-        compressed.append(s.tensors_compressed)
-    assert compressed == [1, 0, 0]
+    steps = stats_per_step(HiddenOnView("sigmoid_"), 3)
+    assert [s.tensors_compressed for s in steps] == [1, 0, 0]
     # Both saves of the tensor (sigmoid_'s result and the Linear's input view) share a site.
-    assert s.tensors_skipped["unprofitable_site"] == 2
+    assert steps[-1].tensors_skipped["unprofitable_site"] == 2
 
 
 class MarkedHiddenOnView(HiddenOnView):
@@ -139,27 +140,15 @@ class MarkedHiddenOnView(HiddenOnView):
 
 
 def test_a_marked_tensor_is_compressed_even_where_its_site_does_not_pay():
-    model, x = MarkedHiddenOnView("sigmoid_"), torch.randn(4, 16, 32, requires_grad=True)
-    expected = train_step(model, x, contextlib.nullcontext())
-    compressed = []
-    for _ in range(3):
-        got = train_step(model, x, bitsparse.compressing(min_numel=MIN_NUMEL))
-        assert_same_grads(got, expected)
-        compressed.append(bitsparse.stats().tensors_compressed)
+    steps = stats_per_step(MarkedHiddenOnView("sigmoid_"), 3)
     # Step 1 stores sigmoid_'s save (hidden: tried) and shares it with the Linear's; from
     # step 2 on that site is skipped, and the Linear's save, marked, is stored itself.
-    assert compressed == [1, 1, 1]
+    assert [s.tensors_compressed for s in steps] == [1, 1, 1]
 
 
 def test_an_overflow_does_not_teach_that_a_site_does_not_pay():
-    model, x = HiddenOnView("relu_"), torch.randn(4, 16, 32, requires_grad=True)
-    expected = train_step(model, x, contextlib.nullcontext())
-    steps = []
-    for _ in range(2):
-        # The arena starts too small for the values; it grows after the first step.
-        got = train_step(model, x, bitsparse.compressing(min_numel=MIN_NUMEL, capacity=16 << 10))
-        assert_same_grads(got, expected)
-        steps.append(bitsparse.stats())
+    # The arena starts too small for the values; it grows after the first step.
+    steps = stats_per_step(HiddenOnView("relu_"), 2, capacity=16 << 10)
     assert steps[0].fallbacks == {"arena_full": 1}
     assert steps[1].fallbacks == {} and steps[1].tensors_compressed == 1
     assert "unprofitable_site" not in steps[1].tensors_skipped
