@@ -7,6 +7,9 @@ The buffer is a run of int32 words in two regions:
 * the *value* region receives value streams, appended on the device: kernels advance a
   device-side cursor (see ``bitsparse.ValueBuffer``), so the host never learns sizes in time.
 
+Each append also gets a *start word* (``next_start``), an int64 device word in which its
+encoder records where its values begin.
+
 The host learns how far the value cursor went asynchronously: each append on CUDA gets a
 *report slot* (``next_report``), a word of pinned host memory that its encoder sets to the
 end of the append plus one when it finishes; ``poll`` reads the slots, with no CUDA call and
@@ -41,6 +44,10 @@ HEADROOM = 1.15
 """A grown region is this much larger than the step's demand."""
 REPORT_TIMEOUT_S = 1.0
 """How long a wait spins on a report slot before it synchronizes the device instead."""
+INITIAL_START_SLOTS = 64
+"""Start words made with the arena; more are made between steps when a step needed more."""
+MAX_CACHED_VIEWS = 4096
+"""Fixed-region views kept for reuse; the cache is emptied when it grows past this."""
 
 
 @dataclass
@@ -108,6 +115,8 @@ class Arena:
         words = capacity_bytes // WORD_BYTES
         fixed = max(1, int(words * fixed_fraction))
         self._allocate(fixed, words - fixed)
+        self._allocate_start_slots(INITIAL_START_SLOTS)
+        self._starts_used = 0
         self._asynchronous = self.device.type == "cuda"
         if self._asynchronous:
             # A ring of window + 1 report slots: slot k is reused only after its last report
@@ -130,6 +139,12 @@ class Arena:
         # The value region's last word is its guard (see ValueBuffer).
         self.values = ValueBuffer.wrap(self._buffer[:value_words], self._cursor)
         self._fixed_start = value_words
+        # Steps of a training loop reserve the same spans: their views are made once, since
+        # making a view is host time on every stored tensor.
+        self._fixed_views: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _allocate_start_slots(self, count: int) -> None:
+        self._start_slots = torch.empty(count, dtype=torch.int64, device=self.device).split(1)
 
     @property
     def capacity_bytes(self) -> int:
@@ -146,7 +161,21 @@ class Arena:
         if self._fixed_used + words > self.fixed_capacity_words:
             return None
         self._fixed_used += words
-        return self._buffer[start : start + words]
+        view = self._fixed_views.get((start, words))
+        if view is None:
+            if len(self._fixed_views) >= MAX_CACHED_VIEWS:
+                self._fixed_views.clear()
+            view = self._fixed_views[start, words] = self._buffer[start : start + words]
+        return view
+
+    def next_start(self) -> torch.Tensor:
+        """An int64 ``[1]`` device word for the next append to write where its values start
+        (``compress(base=...)``), distinct from every other append's until the step ends."""
+        index = self._starts_used
+        self._starts_used += 1
+        if index < len(self._start_slots):
+            return self._start_slots[index]
+        return torch.empty(1, dtype=torch.int64, device=self.device)  # more slots next step
 
     def on_append_stream(self) -> bool:
         """Whether the current stream may append now: the first append of a step fixes the
@@ -270,6 +299,9 @@ class Arena:
         self._fixed_used = 0
         self._fixed_demand = 0
         self._values_demand = 0
+        if self._starts_used > len(self._start_slots):
+            self._allocate_start_slots(math.ceil(self._starts_used * HEADROOM))
+        self._starts_used = 0
         self._window_waits = 0
         self._stream = None
         self._step_over = False

@@ -172,6 +172,7 @@ def compress(
     fixed: torch.Tensor | None = None,
     nonzeros: torch.Tensor | None = None,
     report: torch.Tensor | None = None,
+    base: torch.Tensor | None = None,
 ) -> CompressedTensor:
     """Store ``x`` losslessly as a bitmask of its nonzero elements and their values.
 
@@ -194,6 +195,9 @@ def compress(
         report: an int64 ``[1]`` tensor, zero, that receives the value stream's end plus one
             (the cursor after this tensor, so never zero) once the tensor is fully appended.
             On CUDA it may be pinned host memory, which a host can poll without a CUDA call.
+        base: an int64 ``[1]`` device word that receives where the value stream starts (for
+            instance an arena's ``next_start``); it must stay untouched while the result
+            lives. Allocated when omitted.
 
     Returns:
         A ``CompressedTensor``. With a shared ``values`` buffer that ran out of space, its
@@ -235,7 +239,9 @@ def compress(
         or report.device not in (x.device, torch.device("cpu"))
     ):
         raise ValueError(f"report must be an int64 tensor of shape (1,) on {x.device} or in pinned host memory")
-    return compress_unchecked(x.contiguous(), codec, geometry, values, fixed, sign_pack, nonzeros, report)
+    if base is not None and (base.dtype != torch.int64 or base.shape != (1,) or base.device != x.device):
+        raise ValueError(f"base must be an int64 tensor of shape (1,) on {x.device}")
+    return compress_unchecked(x.contiguous(), codec, geometry, values, fixed, sign_pack, nonzeros, report, base)
 
 
 def compress_unchecked(
@@ -247,16 +253,20 @@ def compress_unchecked(
     sign_pack: bool,
     nonzeros: torch.Tensor | None = None,
     report: torch.Tensor | None = None,
+    base: torch.Tensor | None = None,
 ) -> CompressedTensor:
     """``compress`` without its checks, for callers that built valid arguments themselves.
 
     ``x`` must be contiguous, of a supported dtype and at most ``MAX_NUMEL`` elements;
     ``codec`` one that runs on its device (``get_codec``); ``fixed`` exactly
     ``geometry.fixed_nbytes(x.numel()) / 4`` contiguous int32 words; every tensor on ``x``'s
-    device (``report`` may be pinned host memory). The arena's caller stores tensors this
-    way: argument checks were a measurable share of the host time per tensor.
+    device (``report`` may be pinned host memory). ``base``, an int64 ``[1]`` word that
+    receives where the value stream starts and must stay untouched while the result lives,
+    is allocated when omitted. The arena's caller stores tensors this way: argument checks
+    and allocations were a measurable share of the host time per tensor.
     """
-    base = torch.empty(1, dtype=torch.int64, device=x.device)
+    if base is None:
+        base = torch.empty(1, dtype=torch.int64, device=x.device)
     if x.numel():
         spec = dtype_spec(x.dtype)
         stream, cursor, appends = values.words, values.cursor, values.appends

@@ -49,10 +49,11 @@ class Handle:
 class StoredTensor(Handle):
     """A tensor compressed into an arena.
 
-    Until the arena confirms that the values fit, ``dense`` keeps the original tensor (and
-    serves unpacks); if they did not fit, it keeps it for good (a fallback). ``compressed``
-    is None when the arena had no room even for the masks. The tensor is compressed in its
-    memory order (``order``), so the restored tensor has the original strides.
+    Until the arena confirms that the values fit, ``dense`` keeps the original tensor's
+    storage and geometry (and serves unpacks); if they did not fit, it keeps them for good (a
+    fallback). ``compressed`` is None when the arena had no room even for the masks. The
+    tensor is compressed in its memory order (``order``), so the restored tensor has the
+    original strides.
     """
 
     __slots__ = ("compressed", "dense", "codec", "lease", "order")
@@ -67,7 +68,16 @@ class StoredTensor(Handle):
     ):
         super().__init__()
         self.compressed = compressed
-        self.dense: torch.Tensor | None = dense
+        # The storage, not the tensor: a saved tensor's grad_fn may be the node that saves
+        # it, and holding it would make a reference cycle through autograd (detaching a view
+        # was host time on every stored tensor).
+        self.dense: tuple | None = (
+            dense.untyped_storage(),
+            dense.storage_offset(),
+            dense.shape,
+            dense.stride(),
+            dense.dtype,
+        )
         self.codec = codec
         self.lease = lease
         self.order = order  # the tensor was compressed as dense.permute(order) (() for dense)
@@ -78,7 +88,8 @@ class StoredTensor(Handle):
 
     def _restore(self) -> torch.Tensor:
         if self.dense is not None:
-            return self.dense
+            storage, offset, shape, stride, dtype = self.dense
+            return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
         return self._in_original_order(decompress_unchecked(self.compressed, self.codec))
 
     def squared(self) -> torch.Tensor:

@@ -196,6 +196,8 @@ class Session:
         # node_key(grad_fn, output_nr) -> (handle ref, start, shape, stride, offset): see
         # _note_source.
         self._sources: dict[tuple, tuple] = {}
+        # id(saved tensor) -> (tensor ref, its version, slot ref): the tensors packed this step.
+        self._packed: dict[int, tuple] = {}
         self._unprofitable: set = set()
         self._recompute_verified: dict[tuple, bool] = {}
 
@@ -204,23 +206,31 @@ class Session:
     def pack(self, options: Options, t: torch.Tensor):
         # Runs for every saved tensor (about 400 per GPT forward, between the model's ops, where
         # the host often bounds the step), and most are skipped: decide that first, cheaply.
-        reason, provenance = self._screen(t, options)
-        order = site = None
-        if reason is None:
-            # Tensors not proven ReLU-family are compressed only while their site pays.
-            if provenance is not Provenance.RELU and (site := self._site(t)) in self._unprofitable:
-                reason = "unprofitable_site"
-            else:
-                # Compressed in memory order, the tensor is restored with its own strides
-                # (kernels such as convolutions may round differently on another layout).
-                order = memory_order(t)
-                if order is None:
-                    reason = "overlapping_or_gapped"
         with self._lock:
             if self._live == 0 and self._collector.arenas:
                 self._begin_step()
             stats = self._collector.stats
             stats.tensors_seen += 1
+            # The same tensor saved again (a square's input is ReLU's output): the same slot.
+            again = self._packed.get(id(t))
+            if again is not None and again[0]() is t and again[1] == t._version:
+                slot = again[2]()
+                if slot is not None:
+                    stats.tensors_deduplicated += 1
+                    slot.slots += 1
+                    return slot
+            reason, provenance = self._screen(t, options)
+            order = site = None
+            if reason is None:
+                # Tensors not proven ReLU-family are compressed only while their site pays.
+                if provenance is not Provenance.RELU and (site := self._site(t)) in self._unprofitable:
+                    reason = "unprofitable_site"
+                else:
+                    # Compressed in memory order, the tensor is restored with its own strides
+                    # (kernels such as convolutions may round differently on another layout).
+                    order = memory_order(t)
+                    if order is None:
+                        reason = "overlapping_or_gapped"
             if reason is not None:
                 self._collector.skipped[reason] += 1
                 return t
@@ -246,6 +256,7 @@ class Session:
             else:
                 slot = self._slot(*found, t)
             self._note_source(t, *found)
+            self._packed[id(t)] = (weakref.ref(t), t._version, weakref.ref(slot))
             return slot
 
     def unpack(self, packed) -> torch.Tensor:
@@ -267,7 +278,9 @@ class Session:
             base = t
         if base.requires_grad and base.is_leaf:  # a parameter, or a view of one (weight.t())
             return "parameter", None
-        provenance = classify_node(t.grad_fn)
+        # A view holds its base's values: the base's node says what they are, without
+        # walking back through the view's nodes.
+        provenance = classify_node(base.grad_fn)
         if provenance is not Provenance.RELU and self.marks.covers(t):
             provenance = Provenance.RELU
         if provenance is None and options.select == "relu":
@@ -319,7 +332,7 @@ class Session:
             collector.fallbacks[refusal] += 1
             collector.stats.dense_bytes += t.numel() * t.element_size()
             collector.stats.stored_bytes += t.numel() * t.element_size()
-            handle = StoredTensor(None, t.detach(), None, lease, None)
+            handle = StoredTensor(None, t, None, lease, None)
             handle.confirm(False)
             return handle
         nonzeros = collector.nonzeros.get(arena.device)
@@ -335,8 +348,9 @@ class Session:
             sign_pack,
             nonzeros,
             arena.next_report(),
+            arena.next_start(),
         )
-        handle = StoredTensor(compressed, t.detach(), codec, lease, order)
+        handle = StoredTensor(compressed, t, codec, lease, order)
         stats = collector.stats
         stats.tensors_compressed += 1
         stats.dense_bytes += compressed.dense_nbytes
@@ -436,6 +450,7 @@ class Session:
         self._collector = _StepCollector(self._step)
         self._stored.clear()
         self._sources.clear()
+        self._packed.clear()
 
     def _released(self) -> None:
         with self._lock:
@@ -443,6 +458,7 @@ class Session:
             if self._live == 0:
                 self._stored.clear()
                 self._sources.clear()
+                self._packed.clear()
                 self.marks.clear()
 
     def stats(self) -> Stats:

@@ -151,6 +151,46 @@ def test_reserve_zero_words():
     assert arena.usage().fixed_used == 0
 
 
+def test_reserve_fixed_reuses_a_span_view_across_steps():
+    arena = Arena("cpu", 4096, fixed_fraction=0.25, growable=False)  # the same buffer
+    lease = arena.open_lease()
+    first = [arena.reserve_fixed(n) for n in (10, 20)]
+    lease.release()
+    arena.open_lease()
+    again = [arena.reserve_fixed(n) for n in (10, 20)]
+    assert [a is b for a, b in zip(first, again)] == [True, True]  # the same spans, made once
+    other = arena.reserve_fixed(5)
+    assert other.storage_offset() == again[1].storage_offset() + 20 and other.numel() == 5
+
+
+def test_start_words_are_distinct_within_a_step_and_grow_for_the_next():
+    from bitsparse.allocator.arena import INITIAL_START_SLOTS
+
+    arena = Arena("cpu", 1 << 16)
+    lease = arena.open_lease()
+    starts = [arena.next_start() for _ in range(INITIAL_START_SLOTS + 3)]
+    assert all(s.dtype == torch.int64 and s.shape == (1,) for s in starts)
+    assert words_ranges_disjoint(starts)
+    lease.release()
+    arena.open_lease()
+    # The step that needed more made them for the next one: all from one allocation.
+    more = [arena.next_start() for _ in range(INITIAL_START_SLOTS + 3)]
+    assert len({s.untyped_storage().data_ptr() for s in more}) == 1
+    assert words_ranges_disjoint(more)
+
+
+def test_tensors_compressed_with_start_words_round_trip():
+    arena = Arena("cpu", 1 << 20)
+    arena.open_lease()
+    xs = [relu_like(n, 0.7, n) for n in (5000, 4096, 1)]
+    compressed = []
+    for x in xs:
+        fixed = arena.reserve_fixed(fixed_words(x.numel()))
+        compressed.append(compress(x, values=arena.values, fixed=fixed, backend="torch", base=arena.next_start()))
+    for x, c in zip(xs, compressed):
+        assert_bitwise_equal(decompress(c), x)
+
+
 # --------------------------------------------------------------------------------------------
 # Values and reports
 

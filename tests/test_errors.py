@@ -163,6 +163,16 @@ def test_compress_bad_report(report):
 
 
 @pytest.mark.parametrize(
+    "base",
+    [torch.zeros(1, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64, device="meta")],
+    ids=["int32", "shape", "meta"],
+)
+def test_compress_bad_base(base):
+    with pytest.raises(ValueError, match=r"base must be an int64 tensor of shape \(1,\) on cpu"):
+        compress(torch.ones(10), base=base)
+
+
+@pytest.mark.parametrize(
     "words, cursor",
     [
         (torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)),
