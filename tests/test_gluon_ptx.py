@@ -69,9 +69,11 @@ def test_encoder_compaction_operands(elements, vector, bits):
 
 @pytest.mark.parametrize("elements, vector, bits", ENCODER_SHAPES, ids=str)
 def test_encoder_packing_operands(elements, vector, bits):
-    ptx = gluon_kernels._packing_ptx.fn(elements, vector, 128, 4096 * bits // 8 + 32, bits)
+    region = gluon_kernels._packing_region_bytes.fn(4096, bits // 8)
+    ptx = gluon_kernels._packing_ptx.fn(elements, vector, 128, region, bits)
     constraints = gluon_kernels._packing_constraints.fn(elements)
-    # Outputs (unused), values, vector masks, vector bytes, tails, split, total, flags, address.
+    # Outputs (unused), values, vector masks, vector bytes, the two tails, split, total, flags,
+    # address.
     check_operands(ptx, constraints, elements, per_value={1}, unused={0})
 
 

@@ -78,11 +78,12 @@ def _ptx_prologue(buffer_bytes):
 
 
 @constexpr_function
-def _run_copy_ptx(lead, stop, address, threads, into_shared):
+def _run_copy_ptx(lead, stop, address, threads, into_shared, label=""):
     """PTX moving the run at buffer bytes [lead, stop) between shared memory and the stream,
     where buffer byte 0 is at the 16-byte aligned ``address``. Thread t handles bytes
     [16 b, 16 b + 16) for b = t, t + threads, ...: whole vectors inside the run, single words
-    at its two ends (the rest of those vectors belongs to other runs)."""
+    at its two ends (the rest of those vectors belongs to other runs). ``label`` tells apart
+    the labels of several copies in one PTX block."""
     source, target = ("global", "shared") if into_shared else ("shared", "global")
     address_of = {"global": "g", "shared": "a"}
     vector = [
@@ -102,27 +103,27 @@ def _run_copy_ptx(lead, stop, address, threads, into_shared):
         "add.u32 a, s, b;",
         "cvt.u64.u32 g, b;",
         f"add.u64 g, g, {address};",
-        "bs_copy:",
+        f"bs_copy{label}:",
         f"setp.ge.u32 p, b, {stop};",
-        "@p bra bs_copied;",
+        f"@p bra bs_copied{label};",
         f"setp.ge.u32 whole, b, {lead};",
         "add.u32 q, b, 16;",
         f"setp.le.and.u32 whole, q, {stop}, whole;",
-        "@!whole bra bs_words;",
+        f"@!whole bra bs_words{label};",
         *vector,
-        "bra bs_next;",
-        "bs_words:",
+        f"bra bs_next{label};",
+        f"bs_words{label}:",
     ]
     for i in range(4):
         lines += [f"add.u32 q, b, {4 * i};", f"setp.ge.u32 p, q, {lead};", f"setp.lt.and.u32 p, q, {stop}, p;"]
         lines += word(i)
     return lines + [
-        "bs_next:",
+        f"bs_next{label}:",
         f"add.u32 b, b, {16 * threads};",
         f"add.u32 a, a, {16 * threads};",
         f"add.u64 g, g, {16 * threads};",
-        "bra bs_copy;",
-        "bs_copied:",
+        f"bra bs_copy{label};",
+        f"bs_copied{label}:",
     ]
 
 
@@ -182,83 +183,145 @@ def _compaction_constraints(elements):
     return ",".join(["=r"] * elements + ["r"] * (6 * elements) + ["l"] * elements)
 
 
+PACKING_GROUP = 32
+"""Values a thread assembles at once when sign-packing: 32 values of ``w`` bits fill exactly
+``w`` stream words, so each group's words are its own."""
+
+
+@constexpr_function
+def _packing_region_bytes(tile, size):
+    """Buffer bytes of a packing tile: its values, then room for a group's worth of zeros."""
+    return tile * size + PACKING_GROUP * size
+
+
+@constexpr_function
+def _group_word_terms(width, word):
+    """For stream word ``word`` of a packing group: each (value, left shift) whose bits land in
+    it (a negative shift is a right shift)."""
+    return [
+        (j, width * j - 32 * word)
+        for j in range(PACKING_GROUP)
+        if width * j < 32 * word + 32 and width * j + width > 32 * word
+    ]
+
+
 @constexpr_function
 def _packing_ptx(elements, vector, threads, region_bytes, bits):
     """The sign-packing encoder's PTX (a group of two tiles), run once by every thread.
 
     Operands, ``elements`` registers each: values $E, vector bit masks $2E, the vector's first
-    buffer byte $3E (tile t's values start at byte ``t * region_bytes``), the first byte after
-    the vector's tile's values, or -1 $4E (its owner zeroes the values that may be read past
-    them), then per program: the stream words of the first tile $5E, of the group $6E (0
-    writes nothing), the tiles' packed flags (bit t) $7E and the stream address $8E.
+    buffer byte $3E (tile t's values start at byte ``t * region_bytes``), then per program: the
+    first byte after tile 0's values $4E and after tile 1's $5E, the stream words of the first
+    tile $6E, of the group $7E (0 writes nothing), the tiles' packed flags (bit t) $8E and
+    the stream address $9E.
+
+    A raw tile's words are in the buffer as they are. A packed tile's are assembled by
+    ``PACKING_GROUP`` values at a time: a thread loads a group's values with 16-byte loads,
+    and after a barrier writes the group's ``bits - 1`` words over the values, shifted so
+    that the run is copied out in aligned vectors. Building every word from the values
+    overlapping it, loaded one by one, took three times the instructions per word; storing a
+    group's words straight to the stream spread each warp store over 32 sectors (40% of copy
+    bandwidth against 68% for bf16 at 50% zeros, docs/benchmarks.md).
     """
     e = elements
     size = bits // 8
     kind = {1: "b8", 2: "b16", 4: "b32"}[size]
-    load = {1: "u8", 2: "u16", 4: "b32"}[size]
     width = bits - 1
-    overlap = 31 // width + 2  # values that can share bits with one stream word
+    group_bytes = PACKING_GROUP * size
+    registers = [f"x{i}" for i in range(group_bytes // 4)]
     lines = _ptx_prologue(2 * region_bytes)
-    lines += [".reg .u32 o, r, k, sh, w;"]
-
-    def zero_tail(c):  # past a tile's values, where no value lands: no barrier needed
-        zeros = [f"@p st.shared.{kind} [a+{size * i}], 0;" for i in range(overlap)]
-        return [f"setp.ge.s32 p, ${4 * e + c}, 0;", f"add.u32 a, s, ${4 * e + c};"] + zeros
-
-    lines += _scatter_ptx(e, vector, bits, zero_tail)
-    # Stream word o of the group: word r of tile t; a raw tile's word is in the buffer as is,
-    # a packed tile's is assembled from the ``width``-bit values that overlap it.
+    lines += [".reg .u32 o, r, w, lim, words, first, lead, stop;", ".reg .u64 aligned;", ".reg .pred mine;"]
+    lines += [f".reg .b32 {', '.join(registers)};"]
+    # A group may read up to PACKING_GROUP - 1 values past its tile's last: zero them (no
+    # value lands there, so no barrier is needed). Threads 0-31 for tile 0, 32-63 for tile 1.
     lines += [
-        "bar.sync 0;",
         "mov.u32 o, %tid.x;",
-        "bs_word:",
-        f"setp.ge.u32 p, o, ${6 * e};",
-        "@p bra bs_words_done;",
-        f"setp.ge.u32 whole, o, ${5 * e};",  # whole: the second tile
-        f"selp.u32 a, {region_bytes}, 0, whole;",
+        f"setp.lt.u32 p, o, {2 * PACKING_GROUP};",
+        "@!p bra bs_tails_done;",
+        f"setp.lt.u32 whole, o, {PACKING_GROUP};",
+        f"selp.u32 a, ${4 * e}, ${5 * e}, whole;",
+        f"and.b32 r, o, {PACKING_GROUP - 1};",
+        f"mad.lo.u32 a, r, {size}, a;",
         "add.u32 a, a, s;",
-        f"selp.u32 r, ${5 * e}, 0, whole;",
-        "sub.u32 r, o, r;",
-        "selp.u32 q, 2, 1, whole;",
-        f"and.b32 q, q, ${7 * e};",
-        "setp.ne.u32 packed, q, 0;",
-        "@packed bra bs_assemble;",
-        "shl.b32 r, r, 2;",
-        "add.u32 a, a, r;",
-        "ld.shared.b32 w, [a];",
-        "bra bs_store;",
-        "bs_assemble:",
-        "shl.b32 b, r, 5;",  # the word's first bit
-        f"div.u32 k, b, {width};",  # the first value overlapping it
-        f"mul.lo.u32 sh, k, {width};",
-        "sub.u32 sh, b, sh;",  # bits of that value below the word
-        f"mad.lo.u32 a, k, {size}, a;",
-        f"ld.shared.{load} w, [a];",
-        f"and.b32 w, w, {(1 << width) - 1};",
-        "shr.b32 w, w, sh;",
+        f"st.shared.{kind} [a], 0;",
+        "bs_tails_done:",
     ]
-    for i in range(1, overlap):
+    lines += _scatter_ptx(e, vector, bits, lambda c: [])
+    lines += ["bar.sync 0;", f"setp.eq.u32 p, ${7 * e}, 0;", f"selp.u32 lim, 0, ${6 * e}, p;"]
+
+    def value(j, target):  # value j of the loaded group, into ``target``
+        if size == 4:
+            return [f"mov.b32 {target}, x{j};"]
+        if size == 2:
+            pair = f"x{j // 2}"
+            return [f"and.b32 {target}, {pair}, 65535;" if j % 2 == 0 else f"shr.u32 {target}, {pair}, 16;"]
+        return [f"bfe.u32 {target}, x{j // 4}, {8 * (j % 4)}, 8;"]
+
+    def shifted(j, shift, target):
+        lines = value(j, target)
+        if shift > 0:
+            lines.append(f"shl.b32 {target}, {target}, {shift};")
+        elif shift < 0:
+            lines.append(f"shr.u32 {target}, {target}, {-shift};")
+        return lines
+
+    for t in range(2):
+        # Tile t, in the region at s: its stream words (words) from group word ``first``.
+        lines += (
+            ["mov.u32 first, 0;", "mov.u32 words, lim;"]
+            if t == 0
+            else [f"add.u32 s, s, {region_bytes};", "mov.u32 first, lim;", f"sub.u32 words, ${7 * e}, lim;"]
+        )
         lines += [
-            f"ld.shared.{load} v0, [a+{size * i}];",
-            f"and.b32 v0, v0, {(1 << width) - 1};",
-            f"sub.u32 q, {width * i}, sh;",
-            "shl.b32 v0, v0, q;",  # 0 when q >= 32
-            "or.b32 w, w, v0;",
+            f"and.b32 q, ${8 * e}, {1 << t};",
+            "setp.ne.u32 packed, q, 0;",
+            "mov.u32 o, %tid.x;",
+            f"@packed bra bs_packed{t};",
+            # A raw tile's words are its values as they lie in the buffer.
+            f"bs_raw{t}:",
+            "setp.ge.u32 p, o, words;",
+            f"@p bra bs_tile{t}_done;",
+            "shl.b32 a, o, 2;",
+            "add.u32 a, a, s;",
+            "ld.shared.b32 w, [a];",
+            "add.u32 r, o, first;",
+            f"mad.wide.u32 g, r, 4, ${9 * e};",
+            "st.global.b32 [g], w;",
+            f"add.u32 o, o, {threads};",
+            f"bra bs_raw{t};",
+            # A packed tile's words replace its values in the buffer, group by group (thread
+            # o assembles group o: a tile has at most ``threads`` groups), from ``lead``, the
+            # tile's stream address modulo 16; then the run is copied out in vectors.
+            f"bs_packed{t}:",
+            f"mad.wide.u32 g, first, 4, ${9 * e};",
+            "cvt.u32.u64 lead, g;",
+            "and.b32 lead, lead, 15;",
+            "and.b64 aligned, g, -16;",
+            "shl.b32 stop, words, 2;",
+            "add.u32 stop, stop, lead;",
+            f"mul.lo.u32 r, o, {width};",  # the group's first word in the tile
+            "sub.u32 b, words, r;",  # the group's words to store (all when >= width)
+            "setp.lt.u32 mine, r, words;",
+            f"mad.lo.u32 a, o, {group_bytes}, s;",
         ]
-    lines += [
-        "bs_store:",
-        f"mad.wide.u32 g, o, 4, ${8 * e};",
-        "st.global.b32 [g], w;",
-        f"add.u32 o, o, {threads};",
-        "bra bs_word;",
-        "bs_words_done:",
-    ]
+        for m in range(0, len(registers), 4):
+            lines.append(f"@mine ld.shared.v4.b32 {{{', '.join(registers[m:m + 4])}}}, [a+{4 * m}];")
+        lines += ["bar.sync 0;", f"@!mine bra bs_assembled{t};", "shl.b32 a, r, 2;", "add.u32 a, a, lead;", "add.u32 a, a, s;"]
+        for word in range(width):
+            terms = _group_word_terms(width, word)
+            lines += shifted(*terms[0], "w")
+            for j, shift in terms[1:]:
+                lines += shifted(j, shift, "q") + ["or.b32 w, w, q;"]
+            lines += [f"setp.gt.u32 p, b, {word};", f"@p st.shared.b32 [a+{4 * word}], w;"]
+        lines += [f"bs_assembled{t}:", "bar.sync 0;"]
+        lines += _run_copy_ptx("lead", "stop", "aligned", threads, into_shared=False, label=str(t))
+        lines += [f"bs_tile{t}_done:"]
     return "\n".join(lines + ["}"])
 
 
 @constexpr_function
 def _packing_constraints(elements):
-    return ",".join(["=r"] * elements + ["r"] * (7 * elements) + ["l"] * elements)
+    return ",".join(["=r"] * elements + ["r"] * (8 * elements) + ["l"] * elements)
 
 
 @constexpr_function
@@ -357,7 +420,7 @@ def encode_kernel(
     CHUNKS: gl.constexpr = 32 // VECTOR  # vectors per mask word
     SIZE: gl.constexpr = BITS // 8
     ELEMENTS: gl.constexpr = GROUP * TILE // (32 * WARPS)  # values per thread
-    REGION: gl.constexpr = TILE * SIZE + 32  # a packing tile's buffer bytes, with a zeroed tail
+    REGION: gl.constexpr = _packing_region_bytes(TILE, SIZE)
     gl.static_assert(not SIGN_PACK or GROUP == 2, "the packing PTX assembles words of two tiles")
     # [mask word, vector in the word, value in the vector]: a thread holds whole vectors.
     layout: gl.constexpr = gl.BlockedLayout([1, 1, VECTOR], [32 // CHUNKS, CHUNKS, 1], [WARPS, 1, 1], [2, 1, 0])
@@ -423,9 +486,7 @@ def encode_kernel(
         # Each tile's values compacted in its own region, then every stream word assembled.
         region_bytes = gl.reshape(tile[:, None] * REGION + ranks * SIZE, [ROWS])
         chunk_bytes = gl.convert_layout(region_bytes, row_layout)[:, None] + below * SIZE
-        tail_bytes = gl.reshape(tile[:, None] * REGION + tile_counts[:, None] * SIZE + 0 * word_index, [ROWS])
-        first_chunk = (row % WORDS == 0) & (chunk_index == 0)
-        tail = gl.where(first_chunk, gl.convert_layout(tail_bytes, row_layout)[:, None], -1)
+        tails = tile * REGION + tile_counts * SIZE  # the first byte past each tile's values
         split = gl.sum(gl.where(tile == 0, tile_lengths, 0), axis=0)
         flags = gl.sum(packed.to(gl.int32) << tile, axis=0)
         gl.inline_asm_elementwise(
@@ -435,7 +496,8 @@ def encode_kernel(
                 x.to(gl.int32),
                 zero + chunk[:, :, None],
                 zero + chunk_bytes[:, :, None],
-                zero + tail[:, :, None],
+                zero + gl.sum(gl.where(tile == 0, tails, 0), axis=0),
+                zero + gl.sum(gl.where(tile == 1, tails, 0), axis=0),
                 zero + split,
                 zero + gl.where(fits, total, 0),
                 zero + flags,
