@@ -164,7 +164,11 @@ def test_compress_bad_report(report):
 
 @pytest.mark.parametrize(
     "base",
-    [torch.zeros(1, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64, device="meta")],
+    [
+        torch.zeros(1, dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int64),
+        torch.zeros(1, dtype=torch.int64, device="meta"),
+    ],
     ids=["int32", "shape", "meta"],
 )
 def test_compress_bad_base(base):

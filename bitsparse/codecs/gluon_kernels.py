@@ -230,7 +230,7 @@ def _packing_ptx(elements, vector, threads, region_bytes, bits):
     group_bytes = PACKING_GROUP * size
     registers = [f"x{i}" for i in range(group_bytes // 4)]
     lines = _ptx_prologue(2 * region_bytes)
-    lines += [".reg .u32 o, r, w, lim, words, first, lead, stop;", ".reg .u64 aligned;", ".reg .pred mine;"]
+    lines += [".reg .u32 o, r, w, split, words, first, lead, stop;", ".reg .u64 aligned;", ".reg .pred mine;"]
     lines += [f".reg .b32 {', '.join(registers)};"]
     # A group may read up to PACKING_GROUP - 1 values past its tile's last: zero them (no
     # value lands there, so no barrier is needed). Threads 0-31 for tile 0, 32-63 for tile 1.
@@ -247,9 +247,11 @@ def _packing_ptx(elements, vector, threads, region_bytes, bits):
         "bs_tails_done:",
     ]
     lines += _scatter_ptx(e, vector, bits, lambda c: [])
-    lines += ["bar.sync 0;", f"setp.eq.u32 p, ${7 * e}, 0;", f"selp.u32 lim, 0, ${6 * e}, p;"]
+    # split: the first tile's stream words, 0 when the group writes nothing.
+    lines += ["bar.sync 0;", f"setp.eq.u32 p, ${7 * e}, 0;", f"selp.u32 split, 0, ${6 * e}, p;"]
 
     def value(j, target):  # value j of the loaded group, into ``target``
+        # A packed tile's values have their sign bit clear: each fits its ``width`` bits.
         if size == 4:
             return [f"mov.b32 {target}, x{j};"]
         if size == 2:
@@ -268,9 +270,9 @@ def _packing_ptx(elements, vector, threads, region_bytes, bits):
     for t in range(2):
         # Tile t, in the region at s: its stream words (words) from group word ``first``.
         lines += (
-            ["mov.u32 first, 0;", "mov.u32 words, lim;"]
+            ["mov.u32 first, 0;", "mov.u32 words, split;"]
             if t == 0
-            else [f"add.u32 s, s, {region_bytes};", "mov.u32 first, lim;", f"sub.u32 words, ${7 * e}, lim;"]
+            else [f"add.u32 s, s, {region_bytes};", "mov.u32 first, split;", f"sub.u32 words, ${7 * e}, split;"]
         )
         lines += [
             f"and.b32 q, ${8 * e}, {1 << t};",
@@ -306,7 +308,8 @@ def _packing_ptx(elements, vector, threads, region_bytes, bits):
         ]
         for m in range(0, len(registers), 4):
             lines.append(f"@mine ld.shared.v4.b32 {{{', '.join(registers[m:m + 4])}}}, [a+{4 * m}];")
-        lines += ["bar.sync 0;", f"@!mine bra bs_assembled{t};", "shl.b32 a, r, 2;", "add.u32 a, a, lead;", "add.u32 a, a, s;"]
+        lines += ["bar.sync 0;", f"@!mine bra bs_assembled{t};"]
+        lines += ["shl.b32 a, r, 2;", "add.u32 a, a, lead;", "add.u32 a, a, s;"]  # the group's first word
         for word in range(width):
             terms = _group_word_terms(width, word)
             lines += shifted(*terms[0], "w")
