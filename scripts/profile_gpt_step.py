@@ -51,6 +51,7 @@ STAGES = [
     (manager.Session, "_remember"),
     (Arena, "on_append_stream"),
     (Arena, "next_report"),
+    (Arena, "next_start"),
     (manager, "get_codec"),
     (manager, "_confirmation"),
     (handles.StoredTensor, "__init__"),
