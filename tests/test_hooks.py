@@ -350,6 +350,30 @@ def test_channels_last_convnet_exact():
         assert s.tensors_compressed >= 2
 
 
+def test_channels_last_fallback_exact():
+    """Kept dense (no room even for the masks), a channels-last tensor comes back with its
+    strides: convolution backward would round differently on another layout."""
+    model = convnet().to(memory_format=torch.channels_last)
+    x = image_input().detach().to(memory_format=torch.channels_last).requires_grad_()
+    (s,) = check_exact(model, x, steps=1, capacity=4096)
+    assert s.fallbacks.get("arena_full", 0) >= 1
+
+
+class _Lease:
+    def release(self) -> None:
+        pass
+
+
+def test_kept_dense_tensor_is_its_own_storage_and_geometry():
+    t = torch.randn(4, 6, 8).permute(2, 0, 1)[1:]  # a non-contiguous view at an offset
+    handle = handles.StoredTensor(None, t, None, _Lease(), None)
+    handle.confirm(False)
+    restored = handle.tensor()
+    assert restored.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    assert (restored.shape, restored.stride(), restored.storage_offset()) == (t.shape, t.stride(), t.storage_offset())
+    assert_bitwise_equal(restored, t)
+
+
 def test_select_all_on_transformer():
     without_traceback(check_exact, transformer(), sequence_input(), select="all")
 
