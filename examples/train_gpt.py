@@ -28,7 +28,13 @@ from bitsparse.bench.training import deterministic_kernels
 CONFIGS = {
     # name: (model, sequence length, batch size, steps, learning rate)
     "tiny": (GPTConfig(layers=2, dim=64, heads=2, head_dim=32, hidden=256, vocab=256, qk_norm=True), 128, 8, 40, 3e-3),
-    "small": (GPTConfig(layers=6, dim=384, heads=6, head_dim=64, hidden=1536, vocab=256, qk_norm=True), 1024, 16, 300, 1e-3),
+    "small": (
+        GPTConfig(layers=6, dim=384, heads=6, head_dim=64, hidden=1536, vocab=256, qk_norm=True),
+        1024,
+        16,
+        300,
+        1e-3,
+    ),
 }
 
 

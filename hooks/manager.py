@@ -383,7 +383,8 @@ class Session:
         storage_address = t.data_ptr() - offset * t.element_size()  # without making a storage object
         for start, stop, dtype, handle_ref, storage_ref in self._stored.get((storage_address, t._version), ()):
             handle = handle_ref()
-            if storage_ref() is not None and handle is not None and dtype == t.dtype and start <= offset and end <= stop:
+            alive = storage_ref() is not None and handle is not None
+            if alive and dtype == t.dtype and start <= offset and end <= stop:
                 return handle, start
         return None
 

@@ -24,7 +24,8 @@ def rms_norm(x: torch.Tensor) -> torch.Tensor:
 class Rotary(nn.Module):
     def __init__(self, head_dim: int, base: float = 10000.0):
         super().__init__()
-        self.register_buffer("inv_freq", 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim), persistent=False)
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [batch, T, heads, head_dim]
