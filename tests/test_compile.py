@@ -1,9 +1,10 @@
 """BitSparse around a ``torch.compile``d forward, next to the eager numerics tests.
 
-Compiling is not supported yet (docs/design.md, "Threads, devices, and other machinery"): a compiled
-forward saves its tensors from one autograd node, without the nodes that produced them, so
-the default selection finds no ReLU and ``select="all"`` compresses what pays. Either way
-the gradients must be exactly those of the compiled model without BitSparse.
+Compiling is not supported yet (docs/design.md, "Threads, devices, and other machinery"):
+a compiled forward saves its tensors from one autograd node, without the nodes that
+produced them, so the default selection finds no ReLU and ``select="all"`` compresses what
+pays. Either way the gradients must be exactly those of the compiled model without
+BitSparse.
 """
 
 from __future__ import annotations
