@@ -353,28 +353,44 @@ def _restore_ptx(elements, vector, threads, buffer_bytes, bits, may_be_packed):
     )
     if not may_be_packed:
         return "\n".join(lines + raw + ["}"])
-    # Packed: the value at bit b of the run is a funnel shift of the two words around it.
-    packed = _for_each_value(
-        e,
-        vector,
-        e,
-        lambda c: [f"mul.lo.u32 b, ${2 * e + c}, {packed_bits};"],  # b: the value's first bit
-        lambda c, j: [
-            f"mov.u32 ${c + j}, 0;",
-            "shr.u32 a, b, 5;",
-            "shl.b32 a, a, 2;",
-            "add.u32 a, a, s;",
-            "@p ld.shared.b32 lo, [a];",
-            "@p ld.shared.b32 hi, [a+4];",
-            "and.b32 q, b, 31;",
-            f"@p shf.r.clamp.b32 ${c + j}, lo, hi, q;",
-            f"@p and.b32 ${c + j}, ${c + j}, {(1 << packed_bits) - 1};",
-            f"@p add.u32 b, b, {packed_bits};",
-        ],
-    )
-    lines += [f"setp.ne.u32 packed, ${6 * e}, 0;", "@packed bra bs_packed;"]
-    lines += raw + ["bra bs_restored;", "bs_packed:"] + packed + ["bs_restored:"]
-    return "\n".join(lines + ["}"])
+    # A packed tile is first unpacked in place: thread o takes group o (``PACKING_GROUP``
+    # values in ``packed_bits`` words, a tile has at most ``threads`` groups), and after a
+    # barrier writes the group's values as raw ones from the buffer's aligned start, in
+    # 16-byte vectors; the raw path then reads them there. A group may run past the tile's
+    # words: what it unpacks there lies past the tile's values.
+    words = [f"y{i}" for i in range(packed_bits)]
+    vector_words = ["v0", "v1", "v2", "v3"]
+    lines += [".reg .u32 o, n;", f".reg .b32 {', '.join(words)};"]
+    lines += [f"setp.ne.u32 packed, ${6 * e}, 0;", "@!packed bra bs_unpacked;"]
+    lines += [
+        f"sub.u32 n, ${4 * e}, ${3 * e};",
+        "shr.u32 n, n, 2;",  # the tile's words
+        "mov.u32 o, %tid.x;",
+        f"mul.lo.u32 b, o, {packed_bits};",
+        "setp.lt.u32 p, b, n;",
+        "shl.b32 a, b, 2;",
+        "add.u32 a, a, s;",
+    ]
+    lines += [f"@p ld.shared.b32 {word}, [a+{4 * i}];" for i, word in enumerate(words)]
+    lines += ["bar.sync 0;", "mov.u32 s, bs_buffer;", "@!p bra bs_unpacked_group;"]
+    lines.append(f"mad.lo.u32 a, o, {PACKING_GROUP * size}, s;")
+    per_word = 4 // size
+    for m in range(PACKING_GROUP // per_word):
+        target = vector_words[m % 4]
+        for k in range(per_word):
+            first, shift = divmod(packed_bits * (m * per_word + k), 32)
+            value = target if k == 0 else "hi"
+            if shift + packed_bits <= 32:
+                lines.append(f"shr.u32 {value}, {words[first]}, {shift};")
+            else:
+                lines.append(f"shf.r.clamp.b32 {value}, {words[first]}, {words[first + 1]}, {shift};")
+            lines.append(f"and.b32 {value}, {value}, {(1 << packed_bits) - 1};")
+            if k:
+                lines += [f"shl.b32 hi, hi, {8 * size * k};", f"or.b32 {target}, {target}, hi;"]
+        if m % 4 == 3:
+            lines.append(f"st.shared.v4.b32 [a+{4 * (m - 3)}], {{{', '.join(vector_words)}}};")
+    lines += ["bs_unpacked_group:", "bar.sync 0;", "bs_unpacked:"]
+    return "\n".join(lines + raw + ["}"])
 
 
 @constexpr_function
