@@ -1,7 +1,7 @@
 """The inline PTX of the Gluon kernels, checked on the CPU (the kernels themselves need CUDA:
 ``tests/test_gpu_codec.py`` runs them against the reference).
 
-Each PTX block is generated for a thread's ``elements`` values, and names its operands by
+Each PTX block is generated for a thread's ``elements`` operands, and names them by
 number: a misnumbered operand would read another value's register silently. These tests
 check that every block reads exactly the operands its constraint string declares, in the
 registers the constraints give them (64-bit ones only where an address is expected).
@@ -15,9 +15,12 @@ pytest.importorskip("triton.experimental.gluon")
 
 from bitsparse.codecs import gluon_kernels  # noqa: E402
 
-# (elements per thread, values per 16-byte vector, bits): those of 4 warps on a group of
-# GROUP tiles (encoder) or one tile (decoder), for 8-, 16- and 32-bit values.
-ENCODER_SHAPES = [(gluon_kernels.GROUP * gluon_kernels.TILE // 128, 128 // bits, bits) for bits in (8, 16, 32)]
+# (operands per thread, values per 16-byte vector, bits): those of 4 warps on a group of
+# GROUP tiles (encoder: one operand per 32-bit word of values) or one tile (decoder: one per
+# value), for 8-, 16- and 32-bit values.
+ENCODER_SHAPES = [
+    (gluon_kernels.GROUP * gluon_kernels.TILE * bits // (128 * 32), 128 // bits, bits) for bits in (8, 16, 32)
+]
 DECODER_SHAPES = [(gluon_kernels.TILE // 128, 128 // bits, bits) for bits in (8, 16, 32)]
 
 

@@ -184,6 +184,43 @@ def test_unaligned_stream_is_encoded_by_the_portable_encoder(monkeypatch):
         assert_bitwise_equal(decompress(c, backend="triton"), x)
 
 
+def test_unaligned_input_is_encoded_by_the_portable_encoder(monkeypatch):
+    """The Gluon encoder loads the input in 16-byte vectors of words; a view that starts
+    elsewhere goes to the portable encoder, with the same result."""
+
+    def refuse(*args):
+        raise AssertionError("the Gluon encoder got an unaligned input")
+
+    for bits in triton_codec._gluon_encode_launchers:
+        monkeypatch.setitem(triton_codec._gluon_encode_launchers, bits, refuse)
+    x = make_input(3 * 4096 + 6, torch.bfloat16, 0.5, cuda_generator("unaligned input"))[1:]
+    for sign_pack in (False, True):
+        c = compress(x, sign_pack=sign_pack, backend="triton")
+        check_against_reference(c, x, sign_pack)
+        assert_bitwise_equal(decompress(c, backend="triton"), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2], ids=dtype_id)
+def test_gluon_encoder_ignores_values_past_the_end(dtype, monkeypatch):
+    """The Gluon encoder loads whole 32-bit words, and the last one may hold values past the
+    tensor's end: they count neither as values nor against sign packing (here negative)."""
+    bits = dtype.itemsize * 8
+    gluon_launch = triton_codec._gluon_encode_launchers[bits]
+    calls = []
+    monkeypatch.setitem(
+        triton_codec._gluon_encode_launchers, bits, lambda *args: (calls.append(args), gluon_launch(*args))
+    )
+    g = cuda_generator("past the end", dtype)
+    storage = torch.rand(4096 + 4, generator=g, device="cuda").to(dtype)
+    storage[4096 + 1 :] = -1.0
+    x = storage[: 4096 + 1]
+    for sign_pack in (False, True):
+        c = compress(x, sign_pack=sign_pack, backend="triton")
+        check_against_reference(c, x, sign_pack)
+        assert_bitwise_equal(decompress(c, backend="triton"), x)
+    assert len(calls) == 2
+
+
 def test_launch_key_determines_the_compiled_kernel(monkeypatch):
     """Launches skip Triton's argument binding, reusing the kernel compiled for their key:
     for every launch, the kernel Triton itself would pick must be that one."""

@@ -5,9 +5,9 @@ The portable Triton kernels (``triton_codec``) let the compiler choose layouts a
 value with its own 2-byte access; its encoder reached about half of copy bandwidth and its
 packed decoder about 40%, bound by instructions and latency (docs/benchmarks.md). These:
 
-- hold each thread's values as 16-byte vectors, a layout stated in the kernel, and build the
-  mask words and ranks from per-vector bit masks (one 32-bit scan per tile, over its mask
-  words' popcounts);
+- hold each thread's values as 16-byte vectors, a layout stated in the kernel (the encoder
+  keeps them as 32-bit words, one register for two bf16 values), and build the mask words and
+  ranks from per-vector bit masks (one 32-bit scan per tile, over its mask words' popcounts);
 - stage a tile's values in shared memory, compacted, and move them between shared memory and
   the stream with 16-byte accesses (a sign-packed tile's stream words are assembled from the
   staged values, each written once, whole);
@@ -19,8 +19,8 @@ instance per thread (``pack`` covers all of a thread's values) declares the buff
 synchronizes the block and reads it.
 
 Gluon kernels cannot run under ``TRITON_INTERPRET=1``: the portable kernels are the ones the
-CPU tests run, and they serve every case these do not (other tile sizes, unaligned streams,
-raw 16- and 32-bit decoding, where the portable decoder measured faster). GPU tests check both
+CPU tests run, and they serve every case these do not (other tile sizes, unaligned streams
+or inputs, raw 16- and 32-bit decoding, where the portable decoder measured faster). GPU tests check both
 against the reference.
 """
 
@@ -36,11 +36,13 @@ TILE = 4096
 """The tile size these kernels are built for (the format's default); others use the portable ones."""
 GROUP = 2
 """Tiles per program, which share one claim on the stream (measured: docs/benchmarks.md)."""
-ENCODE_OPTIONS = {8: {"num_warps": 4, "maxnreg": 80}, 16: {"num_warps": 4, "maxnreg": 80}, 32: {"num_warps": 4}}
-"""Launch options by value width: capped at 80 registers a thread (from 90), six encoder
-programs fit an SM instead of five: +1-4 points of copy bandwidth for 8- and 16-bit values
-(64 spilled and lost 10-20). 32-bit values hold twice the registers: capped, they fell from
-91% to 37%, so they run uncapped."""
+ENCODE_OPTIONS = {8: {"num_warps": 4, "maxnreg": 64}, 16: {"num_warps": 4, "maxnreg": 64}, 32: {"num_warps": 4}}
+"""Launch options by value width. 8- and 16-bit values, held as 32-bit words, fit in 64
+registers a thread without spilling, and eight encoder programs fit an SM: +2 to +10 points
+of copy bandwidth for bf16 against 80 registers (six programs); 56 spilled and lost 7-20.
+32-bit values hold twice the registers: capped, they fell from 91% to 37%, so they run
+uncapped."""
+
 DECODE_OPTIONS = {"num_warps": 4}
 
 # Arguments Triton must not specialize on: the compiled kernels then depend only on what
@@ -128,12 +130,12 @@ def _run_copy_ptx(lead, stop, address, threads, into_shared, label=""):
 
 
 @constexpr_function
-def _for_each_value(elements, vector, masks, before, body):
-    """PTX visiting a thread's values vector by vector: ``before(c)`` ahead of the vector at
-    operand offset ``c``, then for its value ``j`` the predicate ``p`` (bit ``j`` of the vector's
-    mask, operand ``masks + c``) and ``body(c, j)``."""
+def _for_each_value(operands, vector, masks, before, body, per_operand=1):
+    """PTX visiting a thread's values vector by vector, ``per_operand`` values to an operand:
+    ``before(c)`` ahead of the vector at operand offset ``c``, then for its value ``j`` the
+    predicate ``p`` (bit ``j`` of the vector's mask, operand ``masks + c``) and ``body(c, j)``."""
     lines = []
-    for c in range(0, elements, vector):
+    for c in range(0, operands, vector // per_operand):
         lines += before(c)
         for j in range(vector):
             lines += [f"and.b32 q, ${masks + c}, {1 << j};", "setp.ne.b32 p, q, 0;"] + body(c, j)
@@ -141,35 +143,37 @@ def _for_each_value(elements, vector, masks, before, body):
 
 
 @constexpr_function
-def _scatter_ptx(elements, vector, bits, before):
-    """The encoders' scatter: a vector's nonzeros (values $E, masks $2E) to consecutive buffer
-    bytes from the vector's first one ($3E)."""
-    e, size = elements, bits // 8
+def _scatter_ptx(operands, vector, bits, before):
+    """The encoders' scatter: a vector's nonzeros (values $E, 32-bit words holding ``32 //
+    bits`` values each from the lowest bits, and masks $2E) to consecutive buffer bytes from
+    the vector's first one ($3E)."""
+    e, size, per_word = operands, bits // 8, 32 // bits
     kind = {1: "b8", 2: "b16", 4: "b32"}[size]
-    return _for_each_value(
-        e,
-        vector,
-        2 * e,
-        lambda c: before(c) + [f"add.u32 a, s, ${3 * e + c};"],
-        lambda c, j: [f"@p st.shared.{kind} [a], ${e + c + j};", f"@p add.u32 a, a, {size};"],
-    )
+
+    def store(c, j):  # a store takes the register's lowest bits
+        word, part = f"${e + c + j // per_word}", j % per_word
+        shift = [f"@p shr.u32 q, {word}, {bits * part};"] if part else []
+        return shift + [f"@p st.shared.{kind} [a], {'q' if part else word};", f"@p add.u32 a, a, {size};"]
+
+    return _for_each_value(e, vector, 2 * e, lambda c: before(c) + [f"add.u32 a, s, ${3 * e + c};"], store, per_word)
 
 
 @constexpr_function
-def _compaction_ptx(elements, vector, threads, buffer_bytes, bits):
-    """The encoder's PTX, run once by every thread of a program for its ``elements`` values.
+def _compaction_ptx(operands, vector, threads, buffer_bytes, bits):
+    """The encoder's PTX, run once by every thread of a program for its values.
 
-    Operands, ``elements`` registers each (one per value; per-vector and per-program ones
-    repeat): values $E, the bit mask of the value's vector of ``vector`` consecutive values
-    $2E, the vector's first buffer byte $3E, the buffer byte of the last word of the vector's
-    tile $4E (zeroed first: the padding after a tile's last value), the first byte of the run
-    in the buffer $5E (the stream address modulo 16), the end of the run $6E (0 writes
-    nothing) and the 16-byte aligned stream address of buffer byte 0 $7E.
+    Operands, ``operands`` registers each (one per 32-bit word of values; per-vector and
+    per-program ones repeat): values $E (``32 // bits`` to a word, from its lowest bits), the
+    bit mask of the word's vector of ``vector`` consecutive values $2E, the vector's first
+    buffer byte $3E, the buffer byte of the last word of the vector's tile $4E (zeroed first:
+    the padding after a tile's last value), the first byte of the run in the buffer $5E (the
+    stream address modulo 16), the end of the run $6E (0 writes nothing) and the 16-byte
+    aligned stream address of buffer byte 0 $7E.
     """
-    e = elements
+    e = operands
     lines = _ptx_prologue(buffer_bytes)
     if bits < 32:  # the last words are zeroed before any value lands in them
-        for c in range(0, e, vector):
+        for c in range(0, e, vector * bits // 32):
             lines += [f"add.u32 a, s, ${4 * e + c};", "st.shared.b32 [a], 0;"]
         lines += ["bar.sync 0;"]
     lines += _scatter_ptx(e, vector, bits, lambda c: [])
@@ -179,8 +183,8 @@ def _compaction_ptx(elements, vector, threads, buffer_bytes, bits):
 
 
 @constexpr_function
-def _compaction_constraints(elements):
-    return ",".join(["=r"] * elements + ["r"] * (6 * elements) + ["l"] * elements)
+def _compaction_constraints(operands):
+    return ",".join(["=r"] * operands + ["r"] * (6 * operands) + ["l"] * operands)
 
 
 PACKING_GROUP = 32
@@ -195,21 +199,23 @@ def _packing_region_bytes(tile, size):
 
 
 @constexpr_function
-def _group_word_terms(width, word):
-    """For stream word ``word`` of a packing group: each (value, left shift) whose bits land in
-    it (a negative shift is a right shift)."""
+def _group_word_terms(chunk_bits, chunks, word):
+    """For stream word ``word`` of a packing group held as ``chunks`` registers of
+    ``chunk_bits`` packed bits each: each (register, left shift) whose bits land in it (a
+    negative shift is a right shift)."""
     return [
-        (j, width * j - 32 * word)
-        for j in range(PACKING_GROUP)
-        if width * j < 32 * word + 32 and width * j + width > 32 * word
+        (k, chunk_bits * k - 32 * word)
+        for k in range(chunks)
+        if chunk_bits * k < 32 * word + 32 and chunk_bits * k + chunk_bits > 32 * word
     ]
 
 
 @constexpr_function
-def _packing_ptx(elements, vector, threads, region_bytes, bits):
+def _packing_ptx(operands, vector, threads, region_bytes, bits):
     """The sign-packing encoder's PTX (a group of two tiles), run once by every thread.
 
-    Operands, ``elements`` registers each: values $E, vector bit masks $2E, the vector's first
+    Operands, ``operands`` registers each: values $E (as for ``_compaction_ptx``), vector bit
+    masks $2E, the vector's first
     buffer byte $3E (tile t's values start at byte ``t * region_bytes``), then per program: the
     first byte after tile 0's values $4E and after tile 1's $5E, the stream words of the first
     tile $6E, of the group $7E (0 writes nothing), the tiles' packed flags (bit t) $8E and
@@ -218,12 +224,14 @@ def _packing_ptx(elements, vector, threads, region_bytes, bits):
     A raw tile's words are in the buffer as they are. A packed tile's are assembled by
     ``PACKING_GROUP`` values at a time: a thread loads a group's values with 16-byte loads,
     and after a barrier writes the group's ``bits - 1`` words over the values, shifted so
-    that the run is copied out in aligned vectors. Building every word from the values
-    overlapping it, loaded one by one, took three times the instructions per word; storing a
-    group's words straight to the stream spread each warp store over 32 sectors (40% of copy
+    that the run is copied out in aligned vectors. Each loaded register first drops its
+    values' sign bits, leaving a chunk of packed bits at its bottom; every word is then the
+    one or two chunks it overlaps, shifted. Building every word from the values overlapping
+    it, loaded one by one, took three times the instructions per word; storing a group's
+    words straight to the stream spread each warp store over 32 sectors (40% of copy
     bandwidth against 68% for bf16 at 50% zeros, docs/benchmarks.md).
     """
-    e = elements
+    e = operands
     size = bits // 8
     kind = {1: "b8", 2: "b16", 4: "b32"}[size]
     width = bits - 1
@@ -250,22 +258,17 @@ def _packing_ptx(elements, vector, threads, region_bytes, bits):
     # split: the first tile's stream words, 0 when the group writes nothing.
     lines += ["bar.sync 0;", f"setp.eq.u32 p, ${7 * e}, 0;", f"selp.u32 split, 0, ${6 * e}, p;"]
 
-    def value(j, target):  # value j of the loaded group, into ``target``
-        # A packed tile's values have their sign bit clear: each fits its ``width`` bits.
-        if size == 4:
-            return [f"mov.b32 {target}, x{j};"]
-        if size == 2:
-            pair = f"x{j // 2}"
-            return [f"and.b32 {target}, {pair}, 65535;" if j % 2 == 0 else f"shr.u32 {target}, {pair}, 16;"]
-        return [f"bfe.u32 {target}, x{j // 4}, {8 * (j % 4)}, 8;"]
-
-    def shifted(j, shift, target):
-        lines = value(j, target)
-        if shift > 0:
-            lines.append(f"shl.b32 {target}, {target}, {shift};")
-        elif shift < 0:
-            lines.append(f"shr.u32 {target}, {target}, {-shift};")
-        return lines
+    # A packed tile's values have their sign bit clear: each fits its ``width`` bits, so a
+    # register's ``4 // size`` values, squeezed together, fill its bottom ``chunk_bits``.
+    per_register = 4 // size
+    chunk_bits = per_register * width
+    squeeze = []
+    for register in registers if per_register > 1 else []:
+        squeeze.append(f"and.b32 w, {register}, {(1 << width) - 1};")
+        for i in range(1, per_register):
+            squeeze += [f"shr.u32 q, {register}, {i};", f"and.b32 q, q, {((1 << width) - 1) << (width * i)};"]
+            squeeze.append("or.b32 w, w, q;")
+        squeeze.append(f"mov.b32 {register}, w;")
 
     for t in range(2):
         # Tile t, in the region at s: its stream words (words) from group word ``first``.
@@ -302,7 +305,6 @@ def _packing_ptx(elements, vector, threads, region_bytes, bits):
             "shl.b32 stop, words, 2;",
             "add.u32 stop, stop, lead;",
             f"mul.lo.u32 r, o, {width};",  # the group's first word in the tile
-            "sub.u32 b, words, r;",  # the group's words to store (all when >= width)
             "setp.lt.u32 mine, r, words;",
             f"mad.lo.u32 a, o, {group_bytes}, s;",
         ]
@@ -310,12 +312,14 @@ def _packing_ptx(elements, vector, threads, region_bytes, bits):
             lines.append(f"@mine ld.shared.v4.b32 {{{', '.join(registers[m:m + 4])}}}, [a+{4 * m}];")
         lines += ["bar.sync 0;", f"@!mine bra bs_assembled{t};"]
         lines += ["shl.b32 a, r, 2;", "add.u32 a, a, lead;", "add.u32 a, a, s;"]  # the group's first word
+        lines += squeeze
+        # Every word is stored: those past the tile's last are never copied out.
         for word in range(width):
-            terms = _group_word_terms(width, word)
-            lines += shifted(*terms[0], "w")
-            for j, shift in terms[1:]:
-                lines += shifted(j, shift, "q") + ["or.b32 w, w, q;"]
-            lines += [f"setp.gt.u32 p, b, {word};", f"@p st.shared.b32 [a+{4 * word}], w;"]
+            terms = _group_word_terms(chunk_bits, len(registers), word)
+            lines.append(f"shr.u32 w, {registers[terms[0][0]]}, {-terms[0][1]};")  # overlaps the word's start
+            for k, shift in terms[1:]:
+                lines += [f"shl.b32 q, {registers[k]}, {shift};", "or.b32 w, w, q;"]
+            lines.append(f"st.shared.b32 [a+{4 * word}], w;")
         lines += [f"bs_assembled{t}:", "bar.sync 0;"]
         lines += _run_copy_ptx("lead", "stop", "aligned", threads, into_shared=False, label=str(t))
         lines += [f"bs_tile{t}_done:"]
@@ -323,8 +327,8 @@ def _packing_ptx(elements, vector, threads, region_bytes, bits):
 
 
 @constexpr_function
-def _packing_constraints(elements):
-    return ",".join(["=r"] * elements + ["r"] * (8 * elements) + ["l"] * elements)
+def _packing_constraints(operands):
+    return ",".join(["=r"] * operands + ["r"] * (8 * operands) + ["l"] * operands)
 
 
 @constexpr_function
@@ -404,6 +408,23 @@ def _add(a, b):
 
 
 @gluon.jit
+def _value_bits(x, k: gl.constexpr, BITS: gl.constexpr):
+    """Value ``k`` of each 32-bit word of ``x``, ``32 // BITS`` values from the lowest bits."""
+    if BITS == 32:
+        value = x
+    else:
+        value = (x >> (BITS * k)) & ((1 << BITS) - 1)
+    return value
+
+
+@constexpr_function
+def _sign_bits(bits):
+    """The sign bits of a 32-bit word of values, as an int32."""
+    word = sum(1 << (bits * (k + 1) - 1) for k in range(32 // bits))
+    return word - (1 << 32)
+
+
+@gluon.jit
 def _popcount(x):
     return gl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
 
@@ -438,11 +459,13 @@ def encode_kernel(
     VECTOR: gl.constexpr = 128 // BITS  # values per 16-byte load
     CHUNKS: gl.constexpr = 32 // VECTOR  # vectors per mask word
     SIZE: gl.constexpr = BITS // 8
-    ELEMENTS: gl.constexpr = GROUP * TILE // (32 * WARPS)  # values per thread
+    PER_WORD: gl.constexpr = 32 // BITS
+    OPERANDS: gl.constexpr = GROUP * TILE // (32 * WARPS * PER_WORD)  # value words per thread
     REGION: gl.constexpr = _packing_region_bytes(TILE, SIZE)
     gl.static_assert(not SIGN_PACK or GROUP == 2, "the packing PTX assembles words of two tiles")
-    # [mask word, vector in the word, value in the vector]: a thread holds whole vectors.
-    layout: gl.constexpr = gl.BlockedLayout([1, 1, VECTOR], [32 // CHUNKS, CHUNKS, 1], [WARPS, 1, 1], [2, 1, 0])
+    # [mask word, vector in the word, 32-bit word of the vector]: a thread holds whole
+    # vectors, as 32-bit words (one register per word, not per value).
+    layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // CHUNKS, CHUNKS, 1], [WARPS, 1, 1], [2, 1, 0])
     word_layout: gl.constexpr = gl.SliceLayout(2, layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, word_layout)
     # [tile of the group, mask word]: a tile's words across the threads, for the scans.
@@ -452,13 +475,23 @@ def encode_kernel(
     first_tile = pid * GROUP
     row = gl.arange(0, ROWS, layout=row_layout)[:, None]
     chunk_index = gl.arange(0, CHUNKS, layout=gl.SliceLayout(0, word_layout))[None, :]
-    lane_value = gl.arange(0, VECTOR, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))[None, None, :]
-    index = first_tile * TILE + (row * 32 + chunk_index * VECTOR)[:, :, None] + lane_value
+    lane = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))[None, None, :]
+    word_index = first_tile * (TILE // PER_WORD) + (row * (32 // PER_WORD) + chunk_index * 4)[:, :, None] + lane
+    index = word_index * PER_WORD  # of the word's first value
+    words_ptr = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)  # the caller checks 16-byte alignment
     if first_tile * TILE <= numel - GROUP * TILE:  # the group is whole (in int32: numel < 2**31)
-        x = gl.load(x_ptr + index).to(_int_type(BITS), bitcast=True)
+        x = gl.load(words_ptr + word_index)
     else:
-        x = gl.load(x_ptr + index, mask=index < numel, other=0).to(_int_type(BITS), bitcast=True)
-    chunk = gl.sum(gl.where(x != 0, 1 << lane_value, 0), axis=2)  # bit i: value i of the vector
+        x = gl.load(words_ptr + word_index, mask=index < numel, other=0)
+        if PER_WORD > 1:
+            # The last word may hold values past the tensor's end (never past its 4-byte
+            # aligned span): their bits are cleared.
+            valid = gl.minimum(numel - index, PER_WORD)
+            x = x & gl.where(valid == PER_WORD, -1, (1 << (BITS * valid)) - 1)
+    bits = gl.zeros_like(x)  # bit i: value i of the vector is nonzero
+    for k in gl.static_range(PER_WORD):
+        bits |= gl.where(_value_bits(x, k, BITS) != 0, 1 << (lane * PER_WORD + k), 0)
+    chunk = gl.sum(bits, axis=2)
     word = gl.sum(chunk << (chunk_index * VECTOR), axis=1)
 
     tile = gl.arange(0, GROUP, layout=gl.SliceLayout(1, tiles_layout))
@@ -473,7 +506,7 @@ def encode_kernel(
         # A tile packs when no value has its sign bit set: the sign of the OR of its values.
         signs = gl.reduce_or(gl.reduce_or(x, axis=2), axis=1)
         tile_signs = gl.reduce_or(gl.convert_layout(gl.reshape(signs, [GROUP, WORDS]), tiles_layout), axis=1)
-        packed = tile_signs >= 0
+        packed = (tile_signs & _sign_bits(BITS)) == 0
         tile_lengths = (tile_counts * gl.where(packed, BITS - 1, BITS) + 31) // 32
     else:
         packed = tile < 0
@@ -500,7 +533,7 @@ def encode_kernel(
     )
     fits = start + total <= capacity
     below = _popcount(word[:, None] & ((1 << (chunk_index * VECTOR)) - 1))
-    zero = gl.zeros_like(x.to(gl.int32))
+    zero = gl.zeros_like(x)
     if SIGN_PACK:
         # Each tile's values compacted in its own region, then every stream word assembled.
         region_bytes = gl.reshape(tile[:, None] * REGION + ranks * SIZE, [ROWS])
@@ -509,10 +542,10 @@ def encode_kernel(
         split = gl.sum(gl.where(tile == 0, tile_lengths, 0), axis=0)
         flags = gl.sum(packed.to(gl.int32) << tile, axis=0)
         gl.inline_asm_elementwise(
-            _packing_ptx(ELEMENTS, VECTOR, WARPS * 32, REGION, BITS),
-            _packing_constraints(ELEMENTS),
+            _packing_ptx(OPERANDS, VECTOR, WARPS * 32, REGION, BITS),
+            _packing_constraints(OPERANDS),
             [
-                x.to(gl.int32),
+                x,
                 zero + chunk[:, :, None],
                 zero + chunk_bytes[:, :, None],
                 zero + gl.sum(gl.where(tile == 0, tails, 0), axis=0),
@@ -524,7 +557,7 @@ def encode_kernel(
             ],
             dtype=gl.int32,
             is_pure=False,
-            pack=ELEMENTS,
+            pack=OPERANDS,
         )
     else:
         # The group's run compacted in the buffer, then copied in 16-byte vectors: it starts
@@ -536,10 +569,10 @@ def encode_kernel(
         chunk_bytes = gl.convert_layout(word_bytes, row_layout)[:, None] + below * SIZE
         last = gl.convert_layout(last_bytes, row_layout)[:, None] + 0 * chunk_index
         gl.inline_asm_elementwise(
-            _compaction_ptx(ELEMENTS, VECTOR, WARPS * 32, GROUP * TILE * SIZE, BITS),
-            _compaction_constraints(ELEMENTS),
+            _compaction_ptx(OPERANDS, VECTOR, WARPS * 32, GROUP * TILE * SIZE, BITS),
+            _compaction_constraints(OPERANDS),
             [
-                x.to(gl.int32),
+                x,
                 zero + chunk[:, :, None],
                 zero + chunk_bytes[:, :, None],
                 zero + last[:, :, None],
@@ -549,7 +582,7 @@ def encode_kernel(
             ],
             dtype=gl.int32,
             is_pure=False,
-            pack=ELEMENTS,
+            pack=OPERANDS,
         )
 
     finish_append(appends_ptr, cursor_ptr, report_ptr, base, num_programs, REPORT)

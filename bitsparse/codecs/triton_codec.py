@@ -381,11 +381,11 @@ def encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, n
     capacity = stream.numel() - 1
     report_arg = base if report is None else report
     nonzeros_arg = cursor if nonzeros is None else nonzeros
-    if _gluon_serves(tile, spec, stream):
+    if _gluon_serves(tile, spec, stream) and _aligned(x):  # it loads x in 16-byte vectors of words
         programs = -(-num_tiles // gluon_kernels.GROUP)
         constexprs = (tile, spec.bits, gluon_kernels.GROUP, sign_pack, nonzeros is not None, report is not None)
         args = (x, stream, fixed, cursor, appends, base, report_arg, nonzeros_arg, numel, capacity, num_tiles, programs)
-        key = (x.dtype, _aligned(x), _aligned(fixed), _int_class(numel), capacity >= 1 << 31) + constexprs
+        key = (x.dtype, _aligned(fixed), _int_class(numel), capacity >= 1 << 31) + constexprs
         _gluon_encode_launchers[spec.bits](programs, device, key, args + constexprs)
         return
     # Only sign packing needs a persistent grid (for its per-program scratch); without it one
