@@ -20,8 +20,8 @@ synchronizes the block and reads it.
 
 Gluon kernels cannot run under ``TRITON_INTERPRET=1``: the portable kernels are the ones the
 CPU tests run, and they serve every case these do not (other tile sizes, unaligned streams
-or inputs, raw 16- and 32-bit decoding, where the portable decoder measured faster). GPU tests check both
-against the reference.
+or inputs, raw 16- and 32-bit decoding, where the portable decoder measured faster). GPU
+tests check both against the reference.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ registers a thread without spilling, and eight encoder programs fit an SM: +2 to
 of copy bandwidth for bf16 against 80 registers (six programs); 56 spilled and lost 7-20.
 32-bit values hold twice the registers: capped, they fell from 91% to 37%, so they run
 uncapped."""
-
 DECODE_OPTIONS = {"num_warps": 4}
 
 # Arguments Triton must not specialize on: the compiled kernels then depend only on what
@@ -215,11 +214,10 @@ def _packing_ptx(operands, vector, threads, region_bytes, bits):
     """The sign-packing encoder's PTX (a group of two tiles), run once by every thread.
 
     Operands, ``operands`` registers each: values $E (as for ``_compaction_ptx``), vector bit
-    masks $2E, the vector's first
-    buffer byte $3E (tile t's values start at byte ``t * region_bytes``), then per program: the
-    first byte after tile 0's values $4E and after tile 1's $5E, the stream words of the first
-    tile $6E, of the group $7E (0 writes nothing), the tiles' packed flags (bit t) $8E and
-    the stream address $9E.
+    masks $2E, the vector's first buffer byte $3E (tile t's values start at byte ``t *
+    region_bytes``), then per program: the first byte after tile 0's values $4E and after
+    tile 1's $5E, the stream words of the first tile $6E, of the group $7E (0 writes
+    nothing), the tiles' packed flags (bit t) $8E and the stream address $9E.
 
     A raw tile's words are in the buffer as they are. A packed tile's are assembled by
     ``PACKING_GROUP`` values at a time: a thread loads a group's values with 16-byte loads,
@@ -486,7 +484,7 @@ def encode_kernel(
         if PER_WORD > 1:
             # The last word may hold values past the tensor's end (never past its 4-byte
             # aligned span): their bits are cleared.
-            valid = gl.minimum(numel - index, PER_WORD)
+            valid = gl.maximum(gl.minimum(numel - index, PER_WORD), 0)
             x = x & gl.where(valid == PER_WORD, -1, (1 << (BITS * valid)) - 1)
     bits = gl.zeros_like(x)  # bit i: value i of the vector is nonzero
     for k in gl.static_range(PER_WORD):
