@@ -119,16 +119,19 @@ def test_many_tensors_in_one_buffer():
     assert int(buf.cursor) == end
 
 
+def gluon_encodes(monkeypatch, bits: int) -> list:
+    """The Gluon encoder's launches for ``bits``-bit values from now on (a list that grows)."""
+    launch = triton_codec._gluon_encode_launchers[bits]
+    calls = []
+    monkeypatch.setitem(triton_codec._gluon_encode_launchers, bits, lambda *args: (calls.append(args), launch(*args)))
+    return calls
+
+
 @pytest.mark.parametrize("sign_pack", [False, True], ids=["raw", "signpack"])
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=dtype_id)
 def test_gluon_and_portable_encoders_agree(dtype, sign_pack, monkeypatch):
     """The Gluon encoder serves CUDA; both encoders match the reference, tile by tile."""
-    bits = dtype.itemsize * 8
-    gluon_launch = triton_codec._gluon_encode_launchers[bits]
-    calls = []
-    monkeypatch.setitem(
-        triton_codec._gluon_encode_launchers, bits, lambda *args: (calls.append(args), gluon_launch(*args))
-    )
+    calls = gluon_encodes(monkeypatch, dtype.itemsize * 8)
     g = cuda_generator("encoders", dtype)
     buf = ValueBuffer(1 << 22, device="cuda")  # successive appends start anywhere in a 16-byte line
     cases = [(1, 0.5), (4095, 0.0), (4097, 0.9), (3 * 4096 + 17, 0.5), (2 * 4096, 1.0), (2**20 + 5, 0.999)]
@@ -187,29 +190,20 @@ def test_unaligned_stream_is_encoded_by_the_portable_encoder(monkeypatch):
 def test_unaligned_input_is_encoded_by_the_portable_encoder(monkeypatch):
     """The Gluon encoder loads the input in 16-byte vectors of words; a view that starts
     elsewhere goes to the portable encoder, with the same result."""
-
-    def refuse(*args):
-        raise AssertionError("the Gluon encoder got an unaligned input")
-
-    for bits in triton_codec._gluon_encode_launchers:
-        monkeypatch.setitem(triton_codec._gluon_encode_launchers, bits, refuse)
+    calls = gluon_encodes(monkeypatch, 16)
     x = make_input(3 * 4096 + 6, torch.bfloat16, 0.5, cuda_generator("unaligned input"))[1:]
     for sign_pack in (False, True):
         c = compress(x, sign_pack=sign_pack, backend="triton")
         check_against_reference(c, x, sign_pack)
         assert_bitwise_equal(decompress(c, backend="triton"), x)
+    assert not calls, "the Gluon encoder got an unaligned input"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2], ids=dtype_id)
 def test_gluon_encoder_ignores_values_past_the_end(dtype, monkeypatch):
     """The Gluon encoder loads whole 32-bit words, and the last one may hold values past the
     tensor's end: they count neither as values nor against sign packing (here negative)."""
-    bits = dtype.itemsize * 8
-    gluon_launch = triton_codec._gluon_encode_launchers[bits]
-    calls = []
-    monkeypatch.setitem(
-        triton_codec._gluon_encode_launchers, bits, lambda *args: (calls.append(args), gluon_launch(*args))
-    )
+    calls = gluon_encodes(monkeypatch, dtype.itemsize * 8)
     g = cuda_generator("past the end", dtype)
     storage = torch.rand(4096 + 4, generator=g, device="cuda").to(dtype)
     storage[4096 + 1 :] = -1.0
