@@ -449,18 +449,20 @@ class Session:
     def _begin_step(self) -> None:
         self._step += 1
         self._collector = _StepCollector(self._step)
-        self._stored.clear()
-        self._sources.clear()
-        self._packed.clear()
+        self._forget_saved()
 
     def _released(self) -> None:
         with self._lock:
             self._live -= 1
             if self._live == 0:
-                self._stored.clear()
-                self._sources.clear()
-                self._packed.clear()
+                self._forget_saved()
                 self.marks.clear()
+
+    def _forget_saved(self) -> None:
+        """Drop the lookups of what this step saved (they refer to its tensors and handles)."""
+        self._stored.clear()
+        self._sources.clear()
+        self._packed.clear()
 
     def stats(self) -> Stats:
         with self._lock:

@@ -209,7 +209,7 @@ def sweep(args: argparse.Namespace) -> None:
     # (where the launcher lives: a module attribute or a key of the per-width encoders, kernel, options)
     configurations = [
         (16, gluon_kernels.encode_kernel, {"num_warps": w, "maxnreg": r})
-        for w, r in itertools.product((4, 8), (None, 72, 80, 96))
+        for w, r in itertools.product((4, 8), (None, 56, 64, 72, 80))
     ]
     configurations += [("_decode_launcher", triton_codec._decode_kernel, {"num_warps": w}) for w in (1, 2, 4)]
     configurations += [("_gluon_decode_launcher", gluon_kernels.decode_kernel, {"num_warps": w}) for w in (2, 4, 8)]
