@@ -1,5 +1,5 @@
 """Kernels for CUDA in Gluon (Triton's dialect with explicit layouts): the encoder, and the
-decoder for streams that may hold sign-packed tiles and for 8-bit values.
+decoder for 8- and 16-bit values and for streams that may hold sign-packed tiles.
 
 The portable Triton kernels (``triton_codec``) let the compiler choose layouts and move each
 value with its own 2-byte access; its encoder reached about half of copy bandwidth and its
@@ -10,18 +10,21 @@ packed decoder about 40%, bound by instructions and latency (docs/benchmarks.md)
   ranks from per-vector bit masks (one 32-bit scan per tile, over its mask words' popcounts);
 - stage a tile's values in shared memory, compacted, and move them between shared memory and
   the stream with 16-byte accesses (a sign-packed tile's stream words are assembled from the
-  staged values, each written once, whole);
+  staged values, each written once, whole; the decoder loads its run with asynchronous
+  copies, all in flight at once);
 - (encoder) claim stream space for ``GROUP`` tiles with one atomic: the claim counter is one
-  address that every program hits.
+  address that every program hits;
+- (decoder) issue every load of a tile's fixed part before the first barrier, so that the
+  stream's load waits for one round trip to memory, not two.
 
 Triton has no access to computed shared-memory addresses, so the staging is inline PTX: one
 instance per thread (``pack`` covers all of a thread's values) declares the buffer, fills it,
 synchronizes the block and reads it.
 
-Gluon kernels cannot run under ``TRITON_INTERPRET=1``: the portable kernels are the ones the
-CPU tests run, and they serve every case these do not (other tile sizes, unaligned streams
-or inputs, raw 16- and 32-bit decoding, where the portable decoder measured faster). GPU
-tests check both against the reference.
+Gluon kernels cannot run under ``TRITON_INTERPRET=1``, and need compute capability 8.0
+(``cp.async``): the portable kernels are the ones the CPU tests run, and they serve every case
+these do not (other GPUs and tile sizes, unaligned streams or inputs, raw 32-bit decoding,
+where the portable decoder measured faster). GPU tests check both against the reference.
 """
 
 from __future__ import annotations
@@ -42,7 +45,10 @@ registers a thread without spilling, and eight encoder programs fit an SM: +2 to
 of copy bandwidth for bf16 against 80 registers (six programs); 56 spilled and lost 7-20.
 32-bit values hold twice the registers: capped, they fell from 91% to 37%, so they run
 uncapped."""
-DECODE_OPTIONS = {"num_warps": 4}
+DECODE_OPTIONS = {8: {"num_warps": 4, "maxnreg": 32}, 16: {"num_warps": 4}, 32: {"num_warps": 4}}
+"""Launch options by value width. Capped at 32 registers, 16 decoder programs fit an SM
+instead of 12: +1 to +7 points for float8, which does not spill there; bf16 spilled and lost
+6 points."""
 
 # Arguments Triton must not specialize on: the compiled kernels then depend only on what
 # ``triton_codec._Launcher``'s keys hold.
@@ -85,18 +91,19 @@ def _run_copy_ptx(lead, stop, address, threads, into_shared, label=""):
     [16 b, 16 b + 16) for b = t, t + threads, ...: whole vectors inside the run, single words
     at its two ends (the rest of those vectors belongs to other runs). ``label`` tells apart
     the labels of several copies in one PTX block."""
-    source, target = ("global", "shared") if into_shared else ("shared", "global")
-    address_of = {"global": "g", "shared": "a"}
-    vector = [
-        f"ld.{source}.v4.b32 {{v0, v1, v2, v3}}, [{address_of[source]}];",
-        f"st.{target}.v4.b32 [{address_of[target]}], {{v0, v1, v2, v3}};",
-    ]
+    if into_shared:
+        # Asynchronous copies: a thread's loads are all in flight at once, none waits for the
+        # one before it to land in a register.
+        vector = ["cp.async.cg.shared.global [a], [g], 16;"]
 
-    def word(i):
-        return [
-            f"@p ld.{source}.b32 v{i}, [{address_of[source]}+{4 * i}];",
-            f"@p st.{target}.b32 [{address_of[target]}+{4 * i}], v{i};",
-        ]
+        def word(i):
+            return [f"@p cp.async.ca.shared.global [a+{4 * i}], [g+{4 * i}], 4;"]
+
+    else:
+        vector = ["ld.shared.v4.b32 {v0, v1, v2, v3}, [a];", "st.global.v4.b32 [g], {v0, v1, v2, v3};"]
+
+        def word(i):
+            return [f"@p ld.shared.b32 v{i}, [a+{4 * i}];", f"@p st.global.b32 [g+{4 * i}], v{i};"]
 
     lines = [
         "mov.u32 b, %tid.x;",
@@ -125,7 +132,7 @@ def _run_copy_ptx(lead, stop, address, threads, into_shared, label=""):
         f"add.u64 g, g, {16 * threads};",
         f"bra bs_copy{label};",
         f"bs_copied{label}:",
-    ]
+    ] + (["cp.async.wait_all;"] if into_shared else [])
 
 
 @constexpr_function
@@ -613,18 +620,23 @@ def decode_kernel(
     flat: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
 
     tile = gl.program_id(0)
-    words = gl.load(fixed_ptr + tile * WORDS + gl.arange(0, WORDS, layout=flat))
-    counts = _popcount(words)
+    # Every load of the fixed part first, the mask words once (the scan takes them through
+    # shared memory): issued after the scan's first barrier, the tile word would hold back
+    # the stream's load by a round trip to memory.
+    base = gl.load(base_ptr)
+    tile_word = gl.load(fixed_ptr + num_tiles * WORDS + tile)
+    start = base + (tile_word & 0x7FFFFFFF)
+    row = gl.arange(0, WORDS, layout=row_layout)
+    words = gl.load(fixed_ptr + tile * WORDS + row)
+    counts = _popcount(gl.convert_layout(words, flat))
     ranks = gl.convert_layout(gl.associative_scan(counts, 0, _add) - counts, row_layout)
     count = gl.sum(counts, axis=0)
-    row = gl.arange(0, WORDS, layout=row_layout)[:, None]
-    word = gl.load(fixed_ptr + tile * WORDS + row)
+    row = row[:, None]
+    word = words[:, None]
     chunk_index = gl.arange(0, CHUNKS, layout=gl.SliceLayout(0, word_layout))[None, :]
     chunk = (word >> (chunk_index * VECTOR)) & ((1 << VECTOR) - 1)
     chunk_ranks = ranks[:, None] + _popcount(word & ((1 << (chunk_index * VECTOR)) - 1))
-    tile_word = gl.load(fixed_ptr + num_tiles * WORDS + tile)
     packed = tile_word < 0
-    start = gl.load(base_ptr) + (tile_word & 0x7FFFFFFF)
     length = (count * gl.where(packed, BITS - 1, BITS) + 31) // 32
     lead = (start % 4).to(gl.int32) * 4
     lane_value = gl.arange(0, VECTOR, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))[None, None, :]

@@ -12,10 +12,10 @@ because each program needs a scratch block (it stays in L2): a packed tile's val
 compacted there first, then each output word is assembled from the at most
 ``floor(31 / b) + 2`` values that overlap it, so every word is written once, whole.
 
-On CUDA, with the default tile size and an aligned stream, ``gluon_kernels`` encodes, and
-decodes streams that may hold packed tiles or 8-bit values: its kernels stage a tile's
-values in shared memory and move the stream in wide accesses (1.3x to 6x faster,
-docs/benchmarks.md). The kernels here are the portable ones, and the ones the CPU tests run
+On CUDA (compute capability 8.0 and up), with the default tile size and an aligned stream,
+``gluon_kernels`` encodes, and decodes 8- and 16-bit values and streams that may hold packed
+tiles: its kernels stage a tile's values in shared memory and move the stream in wide
+accesses (1.2x to 6x faster, docs/benchmarks.md). The kernels here are the portable ones, and the ones the CPU tests run
 under the interpreter.
 
 Decoding runs one program per tile (per quarter tile when tiles may be packed): the same
@@ -326,13 +326,28 @@ _gluon_encode_launchers = (
     if _GLUON
     else {}
 )
-_gluon_decode_launcher = _Launcher(gluon_kernels.decode_kernel, **gluon_kernels.DECODE_OPTIONS) if _GLUON else None
+_gluon_decode_launchers = (
+    {bits: _Launcher(gluon_kernels.decode_kernel, **options) for bits, options in gluon_kernels.DECODE_OPTIONS.items()}
+    if _GLUON
+    else {}
+)
 
 
 def _gluon_serves(tile: int, spec, stream: torch.Tensor) -> bool:
-    """Whether the Gluon kernels can take this call: they are built for the default tile, and
-    move the stream in 16-byte vectors (an arena's stream is aligned)."""
-    return _GLUON and gluon_kernels.supports(tile, spec.itemsize) and _aligned(stream)
+    """Whether the Gluon kernels can take this call: they are built for the default tile and
+    for GPUs with asynchronous copies, and move the stream in 16-byte vectors (an arena's
+    stream is aligned)."""
+    return (
+        _GLUON
+        and gluon_kernels.supports(tile, spec.itemsize)
+        and _aligned(stream)
+        and _has_async_copies(stream.get_device())
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _has_async_copies(device: int) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def check_device(device: torch.device) -> None:
@@ -436,12 +451,12 @@ def decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None):
     square_arg = out if square is None else square
     key = (out.dtype, square_arg.dtype, _aligned(out), _aligned(square_arg), _aligned(stream), _aligned(fixed))
     key += (_int_class(numel),)
-    # Measured (docs/benchmarks.md): the Gluon decoder is faster where tiles may be packed and
-    # for 8-bit values, the portable one for raw 16- and 32-bit values.
-    if (sign_pack or spec.bits == 8) and _gluon_serves(tile, spec, stream):
+    # Measured (docs/benchmarks.md): the Gluon decoder is faster for 8- and 16-bit values and
+    # where tiles may be packed, the portable one for raw 32-bit values.
+    if (sign_pack or spec.bits < 32) and _gluon_serves(tile, spec, stream):
         constexprs = (tile, spec.bits, sign_pack, square is not None)
         args = (out, square_arg, stream, fixed, base, numel, num_tiles) + constexprs
-        _gluon_decode_launcher(num_tiles, out.get_device(), key + constexprs, args)
+        _gluon_decode_launchers[spec.bits](num_tiles, out.get_device(), key + constexprs, args)
         return
     parts = DECODE_PARTS[sign_pack]
     constexprs = (tile, spec.bits, sign_pack, not INTERPRETED, parts, square is not None)
