@@ -15,7 +15,8 @@ packed decoder about 40%, bound by instructions and latency (docs/benchmarks.md)
 - (encoder) claim stream space for ``GROUP`` tiles with one atomic: the claim counter is one
   address that every program hits;
 - (decoder) issue every load of a tile's fixed part before the first barrier, so that the
-  stream's load waits for one round trip to memory, not two.
+  stream's load waits for one round trip to memory, not two, and prefetch the fixed part of
+  a later tile into L2, so that the first of those round trips mostly ends in L2.
 
 Triton has no access to computed shared-memory addresses, so the staging is inline PTX: one
 instance per thread (``pack`` covers all of a thread's values) declares the buffer, fills it,
@@ -45,6 +46,9 @@ registers a thread without spilling, and eight encoder programs fit an SM: +2 to
 of copy bandwidth for bf16 against 80 registers (six programs); 56 spilled and lost 7-20.
 32-bit values hold twice the registers: capped, they fell from 91% to 37%, so they run
 uncapped."""
+PREFETCH_TILES = gl.constexpr(2048)
+"""How far ahead of its own tile a decoder program prefetches a fixed part: about as many
+tiles as an H200's SMs hold decoder programs at once (12-16 each on 132 SMs)."""
 DECODE_OPTIONS = {8: {"num_warps": 4, "maxnreg": 32}, 16: {"num_warps": 4}, 32: {"num_warps": 4}}
 """Launch options by value width. Capped at 32 registers, 16 decoder programs fit an SM
 instead of 12: +1 to +7 points for float8, which does not spill there; bf16 spilled and lost
@@ -628,6 +632,7 @@ def decode_kernel(
     start = base + (tile_word & 0x7FFFFFFF)
     row = gl.arange(0, WORDS, layout=row_layout)
     words = gl.load(fixed_ptr + tile * WORDS + row)
+    _prefetch_fixed(fixed_ptr, tile + PREFETCH_TILES, num_tiles, WORDS, flat)
     counts = _popcount(gl.convert_layout(words, flat))
     ranks = gl.convert_layout(gl.associative_scan(counts, 0, _add) - counts, row_layout)
     count = gl.sum(counts, axis=0)
@@ -662,6 +667,25 @@ def decode_kernel(
         _store_tile(out_ptr, square_ptr, index, value, None, SQUARE)
     else:
         _store_tile(out_ptr, square_ptr, index, value, index < numel, SQUARE)
+
+
+@gluon.jit
+def _prefetch_fixed(fixed_ptr, tile, num_tiles, WORDS: gl.constexpr, layout: gl.constexpr):
+    """Bring the fixed part of a later ``tile`` into L2, so that its program's first wait is for
+    L2, not memory: thread t < MASK_LINES takes line t of its masks, the next thread the line
+    of its tile word."""
+    MASK_LINES: gl.constexpr = WORDS * 4 // 128
+    thread = gl.arange(0, gl.num_warps() * 32, layout=layout)
+    masks = fixed_ptr + tile * WORDS + thread * 32
+    address = gl.where(thread < MASK_LINES, masks, fixed_ptr + num_tiles * WORDS + tile)
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [address.to(gl.int64, bitcast=True), ((thread <= MASK_LINES) & (tile < num_tiles)).to(gl.int32)],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @gluon.jit
