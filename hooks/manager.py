@@ -233,7 +233,10 @@ class Session:
                         reason = "overlapping_or_gapped"
             if reason is not None:
                 self._collector.skipped[reason] += 1
-                return t
+                # Kept without its history: a tensor saved by the node that made it (tanh's
+                # result) would hold that node, which holds it, in a cycle that only backward
+                # breaks (Python's collector cannot see it). Unpacking restores the history.
+                return t if t.grad_fn is None else t.detach()
             # Confirmed tensors release their dense copy here, during the forward.
             self._poll()
             found = self._find_stored(t)

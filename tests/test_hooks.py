@@ -554,6 +554,21 @@ def test_exception_midway_leaks_nothing():
     assert _cpu_arena().step_over
 
 
+@pytest.mark.parametrize("output_saved", [torch.tanh, torch.sigmoid, torch.exp], ids=lambda f: f.__name__)
+def test_forward_without_backward_leaks_nothing(output_saved):
+    """A graph dropped without backward frees everything, also when a skipped tensor was
+    saved by the node that made it (a reference cycle if the pack hook kept its history)."""
+    model, x = mlp(), mlp_input()
+    with bitsparse.compressing(min_numel=MIN_NUMEL):
+        out = output_saved(model(x))
+        probe = weakref.ref(out)
+    assert SESSION._live > 0 and bitsparse.stats().tensors_compressed == 2
+    del out
+    gc.collect()
+    assert probe() is None
+    assert SESSION._live == 0
+
+
 def test_no_grad_inside_compressing_stores_nothing():
     model, x = mlp(), mlp_input()
     before = bitsparse.stats().as_dict()
