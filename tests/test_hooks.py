@@ -554,15 +554,19 @@ def test_exception_midway_leaks_nothing():
     assert _cpu_arena().step_over
 
 
+@pytest.mark.parametrize("retained_backward", [False, True], ids=["no_backward", "retain_graph"])
 @pytest.mark.parametrize("output_saved", [torch.tanh, torch.sigmoid, torch.exp], ids=lambda f: f.__name__)
-def test_forward_without_backward_leaks_nothing(output_saved):
-    """A graph dropped without backward frees everything, also when a skipped tensor was
-    saved by the node that made it (a reference cycle if the pack hook kept its history)."""
+def test_dropped_graph_leaks_nothing(output_saved, retained_backward):
+    """A graph dropped without a backward that frees it (none, or one with retain_graph)
+    frees everything, also when a skipped tensor was saved by the node that made it (a
+    reference cycle if the pack hook kept its history)."""
     model, x = mlp(), mlp_input()
     with bitsparse.compressing(min_numel=MIN_NUMEL):
         out = output_saved(model(x))
         probe = weakref.ref(out)
     assert SESSION._live > 0 and bitsparse.stats().tensors_compressed == 2
+    if retained_backward:
+        out.sum().backward(retain_graph=True)
     del out
     gc.collect()
     assert probe() is None
