@@ -16,7 +16,7 @@ packed decoder about 40%, bound by instructions and latency (docs/benchmarks.md)
   address that every program hits;
 - (decoder) issue every load of a tile's fixed part before the first barrier, so that the
   stream's load waits for one round trip to memory, not two, and prefetch the fixed part of
-  a later tile into L2, so that the first of those round trips mostly ends in L2.
+  a later tile into L2, so that the first of those round trips can end there.
 
 Triton has no access to computed shared-memory addresses, so the staging is inline PTX: one
 instance per thread (``pack`` covers all of a thread's values) declares the buffer, fills it,
