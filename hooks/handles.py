@@ -4,10 +4,15 @@ Every handle restores a tensor of the original size, dtype and device, equal bit
 A handle counts the saved slots that hold it; within one backward, the decoded tensor is
 kept until every slot has been unpacked, then dropped (a second backward decodes again).
 Unpacking never frees storage: that happens when autograd releases the handle.
+
+While saved-tensor hooks are installed, autograd no longer checks that a saved tensor was
+not modified in place before backward used it. Unpacking checks it instead (``check_version``),
+with autograd's error: a tensor kept as it is would otherwise give a wrong gradient silently.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -17,15 +22,37 @@ from bitsparse.compressed import CompressedTensor, decompress_unchecked
 from bitsparse.format import dtype_spec
 
 
-class Handle:
-    """Base: slot counting and the per-backward cache of the restored tensor."""
+def check_version(t: torch.Tensor, version: int) -> None:
+    """Raise autograd's error if ``t`` changed in place since it was saved at ``version``."""
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: a {t.dtype} tensor of shape {list(t.shape)} was saved for backward at version "
+            f"{version} and is at version {t._version} (BitSparse checks this for autograd, which cannot "
+            "while saved-tensor hooks are installed). Hint: make the in-place operation out of place, or "
+            "modify a clone of the tensor."
+        )
 
-    __slots__ = ("slots", "_unpacked", "_cache", "__weakref__")
+
+class Handle:
+    """Base: slot counting, the per-backward cache of the restored tensor, and the version
+    check of the saved tensor it stands for."""
+
+    __slots__ = ("slots", "_unpacked", "_cache", "_saved", "_saved_version", "__weakref__")
 
     def __init__(self):
         self.slots = 0
         self._unpacked = 0
         self._cache: torch.Tensor | None = None
+        self._saved: weakref.ref | None = None
+        self._saved_version = 0
+
+    def watch(self, t: torch.Tensor) -> None:
+        """Remember (weakly) the saved tensor ``t`` and its version, for unpack to check. A
+        handle serving several slots watches the first: the others are ``t`` or views of it,
+        which share its version counter."""
+        if self._saved is None:
+            self._saved, self._saved_version = weakref.ref(t), t._version
 
     def _restore(self) -> torch.Tensor:
         raise NotImplementedError
@@ -37,7 +64,14 @@ class Handle:
         return self._cache
 
     def unpack(self) -> torch.Tensor:
-        """Restore for one saved slot; after the last slot of a backward, drop the cache."""
+        """Restore for one saved slot; after the last slot of a backward, drop the cache.
+
+        Raises:
+            RuntimeError: the saved tensor, still alive, was modified in place since.
+        """
+        saved = self._saved() if self._saved is not None else None
+        if saved is not None:
+            check_version(saved, self._saved_version)
         value = self.tensor()
         self._unpacked += 1
         if self._unpacked >= self.slots:

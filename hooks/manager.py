@@ -22,7 +22,7 @@ from bitsparse.allocator import Arena
 from bitsparse.codecs import get_codec
 from bitsparse.compressed import MAX_NUMEL, compress_unchecked
 from bitsparse.format import SUPPORTED_DTYPES, TileGeometry
-from bitsparse.hooks.handles import Handle, Recomputed, SquareOf, StoredTensor, ViewOf
+from bitsparse.hooks.handles import Handle, Recomputed, SquareOf, StoredTensor, ViewOf, check_version
 from bitsparse.hooks.provenance import Marks, Provenance, classify_node, node_key, span_end, squared_input
 
 SELECTIONS = ("relu", "all")
@@ -235,8 +235,9 @@ class Session:
                 self._collector.skipped[reason] += 1
                 # Kept without its history: a tensor saved by the node that made it (tanh's
                 # result) would hold that node, which holds it, in a cycle that only backward
-                # breaks (Python's collector cannot see it). Unpacking restores the history.
-                return t if t.grad_fn is None else t.detach()
+                # breaks (Python's collector cannot see it). Unpacking restores the history,
+                # after checking the version (see handles.check_version).
+                return (t if t.grad_fn is None else t.detach()), t._version
             # Confirmed tensors release their dense copy here, during the forward.
             self._poll()
             found = self._find_stored(t)
@@ -259,12 +260,15 @@ class Session:
             else:
                 slot = self._slot(*found, t)
             self._note_source(t, *found)
+            slot.watch(t)
             self._packed[id(t)] = (weakref.ref(t), t._version, weakref.ref(slot))
             return slot
 
     def unpack(self, packed) -> torch.Tensor:
-        if not isinstance(packed, Handle):
-            return packed
+        if not isinstance(packed, Handle):  # a tensor kept as it is, and its version
+            kept, version = packed
+            check_version(kept, version)
+            return kept
         with self._lock:
             self._poll()
             return packed.unpack()

@@ -573,6 +573,30 @@ def test_dropped_graph_leaks_nothing(output_saved, retained_backward):
     assert SESSION._live == 0
 
 
+@pytest.mark.parametrize("stored", [False, True], ids=["kept", "compressed"])
+def test_saved_tensor_modified_in_place_raises_as_autograd_does(stored):
+    """Autograd stops checking saved tensors' versions while hooks are installed; unpacking
+    checks them, so a tensor modified after it was saved raises instead of giving a wrong
+    gradient (exp's result is kept as it is, ReLU's is compressed)."""
+    x = torch.randn(64, 512, requires_grad=True)
+
+    def forward():
+        y = torch.relu(x) if stored else torch.exp(x)
+        return y, (y * y).sum()
+
+    y, loss = forward()
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as plain:
+        loss.backward()
+    with bitsparse.compressing(min_numel=MIN_NUMEL):
+        y, loss = forward()
+    assert bitsparse.stats().tensors_compressed == int(stored)
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as compressed:
+        loss.backward()
+    assert "Hint" in str(plain.value) and "Hint" in str(compressed.value)
+
+
 def test_no_grad_inside_compressing_stores_nothing():
     model, x = mlp(), mlp_input()
     before = bitsparse.stats().as_dict()
