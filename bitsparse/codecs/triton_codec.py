@@ -15,8 +15,8 @@ compacted there first, then each output word is assembled from the at most
 On CUDA (compute capability 8.0 and up), with the default tile size and an aligned stream,
 ``gluon_kernels`` encodes, and decodes 8- and 16-bit values and streams that may hold packed
 tiles: its kernels stage a tile's values in shared memory and move the stream in wide
-accesses (1.2x to 6x faster, docs/benchmarks.md). The kernels here are the portable ones, and the ones the CPU tests run
-under the interpreter.
+accesses (1.2x to 6x faster, docs/benchmarks.md). The kernels here are the portable ones,
+and the ones the CPU tests run under the interpreter.
 
 Decoding runs one program per tile (per quarter tile when tiles may be packed): the same
 rank computation, then a gather (raw values) or a two-word funnel shift (packed values) for
