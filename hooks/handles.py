@@ -54,6 +54,10 @@ class Handle:
         if self._saved is None:
             self._saved, self._saved_version = weakref.ref(t), t._version
 
+    def watches(self, t: torch.Tensor) -> bool:
+        """Whether this handle watches ``t`` itself, at ``t``'s current version."""
+        return self._saved is not None and self._saved() is t and self._saved_version == t._version
+
     def _restore(self) -> torch.Tensor:
         raise NotImplementedError
 

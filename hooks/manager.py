@@ -196,8 +196,9 @@ class Session:
         # node_key(grad_fn, output_nr) -> (handle ref, start, shape, stride, offset): see
         # _note_source.
         self._sources: dict[tuple, tuple] = {}
-        # id(saved tensor) -> (tensor ref, its version, slot ref): the tensors packed this step.
-        self._packed: dict[int, tuple] = {}
+        # id(saved tensor) -> slot ref: the tensors packed this step (the slot watches the
+        # tensor it was made for, see Handle.watch).
+        self._packed: dict[int, weakref.ref] = {}
         self._unprofitable: set = set()
         self._recompute_verified: dict[tuple, bool] = {}
 
@@ -213,12 +214,11 @@ class Session:
             stats.tensors_seen += 1
             # The same tensor saved again (a square's input is ReLU's output): the same slot.
             again = self._packed.get(id(t))
-            if again is not None and again[0]() is t and again[1] == t._version:
-                slot = again[2]()
-                if slot is not None:
-                    stats.tensors_deduplicated += 1
-                    slot.slots += 1
-                    return slot
+            slot = again() if again is not None else None
+            if slot is not None and slot.watches(t):
+                stats.tensors_deduplicated += 1
+                slot.slots += 1
+                return slot
             reason, provenance = self._screen(t, options)
             order = site = None
             if reason is None:
@@ -261,7 +261,7 @@ class Session:
                 slot = self._slot(*found, t)
             self._note_source(t, *found)
             slot.watch(t)
-            self._packed[id(t)] = (weakref.ref(t), t._version, weakref.ref(slot))
+            self._packed[id(t)] = weakref.ref(slot)
             return slot
 
     def unpack(self, packed) -> torch.Tensor:

@@ -119,12 +119,18 @@ def test_many_tensors_in_one_buffer():
     assert int(buf.cursor) == end
 
 
-def gluon_encodes(monkeypatch, bits: int) -> list:
-    """The Gluon encoder's launches for ``bits``-bit values from now on (a list that grows)."""
-    launch = triton_codec._gluon_encode_launchers[bits]
+def gluon_launches(monkeypatch, launchers: dict, bits: int) -> list:
+    """The launches of a Gluon kernel (``launchers``: the encoders' or the decoders' per-width
+    launchers) for ``bits``-bit values from now on (a list that grows)."""
+    launch = launchers[bits]
     calls = []
-    monkeypatch.setitem(triton_codec._gluon_encode_launchers, bits, lambda *args: (calls.append(args), launch(*args)))
+    monkeypatch.setitem(launchers, bits, lambda *args: (calls.append(args), launch(*args)))
     return calls
+
+
+def gluon_encodes(monkeypatch, bits: int) -> list:
+    """The Gluon encoder's launches for ``bits``-bit values from now on."""
+    return gluon_launches(monkeypatch, triton_codec._gluon_encode_launchers, bits)
 
 
 @pytest.mark.parametrize("sign_pack", [False, True], ids=["raw", "signpack"])
@@ -155,11 +161,7 @@ def test_gluon_and_portable_decoders_agree(dtype, sign_pack, monkeypatch):
     """Packed streams and 8- and 16-bit values are decoded by the Gluon decoder on CUDA; both
     decoders restore every tile, raw and packed ones alike."""
     bits = dtype.itemsize * 8
-    gluon_launch = triton_codec._gluon_decode_launchers[bits]
-    calls = []
-    monkeypatch.setitem(
-        triton_codec._gluon_decode_launchers, bits, lambda *args: (calls.append(args), gluon_launch(*args))
-    )
+    calls = gluon_launches(monkeypatch, triton_codec._gluon_decode_launchers, bits)
     g = cuda_generator("decoders", dtype, sign_pack)
     buf = ValueBuffer(1 << 22, device="cuda")
     cases = [(1, 0.5), (4097, 0.0), (3 * 4096 + 17, 0.5), (2 * 4096, 1.0), (2**20 + 5, 0.9)]
