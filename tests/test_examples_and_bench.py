@@ -3,13 +3,14 @@
 import csv
 import importlib.util
 import os
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from bitsparse.bench.__main__ import main as bench
-from bitsparse.bench.codec import CASES
+from bitsparse.bench.codec import CASES, time_ms
 from bitsparse.bench.training import CUBLAS_DETERMINISTIC_WORKSPACE, MODES, deterministic_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,6 +72,11 @@ def test_codec_suite_quick(tmp_path):
     rows = read_csv(tmp_path / "codec.csv")
     assert len(rows) == len(CASES) and is_png(tmp_path / "codec.png")
     assert all(float(r["encode_gbs"]) > 0 and float(r["decode_gbs"]) > 0 for r in rows)
+
+
+def test_codec_timing_of_host_work_uses_the_host_clock():
+    # Even where CUDA is available: events would time an idle GPU.
+    assert time_ms(lambda: time.sleep(0.002), "cpu", reps=3, warmup=0) >= 2
 
 
 @pytest.mark.parametrize("workspace", [None, ":16:8"])

@@ -40,8 +40,9 @@ def relu_like(numel: int, zero_fraction: float, dtype: torch.dtype, device) -> t
     return x.to(dtype)
 
 
-def time_ms(fn, before=None, reps: int = 30, warmup: int = 5) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` runs: CUDA events on a GPU, else a host clock.
+def time_ms(fn, device, before=None, reps: int = 30, warmup: int = 5) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` runs of work on ``device``: CUDA events on a
+    GPU, else a host clock.
 
     On a GPU the runs are queued back to back and timed by events around each, so a run's
     time is the device's: the host launches the next run while the GPU still works on the
@@ -53,7 +54,7 @@ def time_ms(fn, before=None, reps: int = 30, warmup: int = 5) -> float:
         if before:
             before()
         fn()
-    if torch.cuda.is_available():
+    if torch.device(device).type == "cuda":
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         for start, end in events:
             if before:
@@ -96,8 +97,8 @@ def measure(x: torch.Tensor, sign_pack: bool, backend: str, reps: int) -> dict:
     stream_bytes = 4 * int(values.cursor)
     fixed_bytes = fixed.numel() * 4
     moved = x.numel() * spec.itemsize + fixed_bytes + stream_bytes
-    encode_ms = time_ms(encode, before=values.reset, reps=reps)
-    decode_ms = time_ms(decode, reps=reps)
+    encode_ms = time_ms(encode, x.device, before=values.reset, reps=reps)
+    decode_ms = time_ms(decode, x.device, reps=reps)
     return {
         "stored_bytes": fixed_bytes + stream_bytes,
         "encode_ms": encode_ms,
@@ -121,7 +122,7 @@ def kernels_in_use(backend: str, device) -> str:
 def copy_gbs(numel: int, reps: int, device) -> float:
     src = torch.empty(numel * 2, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), reps=reps)
+    ms = time_ms(lambda: dst.copy_(src), device, reps=reps)
     return 2 * src.numel() / ms / 1e6
 
 
@@ -132,8 +133,8 @@ def one_way_gbs(numel: int, reps: int, device) -> tuple[float, float]:
     words = torch.empty(numel, dtype=torch.int32, device=device).random_()
     # Filled as 32-bit words: PyTorch's fill of 1- and 2-byte elements measured 25% slower on
     # the H200 than its fill of words, which is the one that writes at the memory's pace.
-    fill_ms = time_ms(lambda: words.fill_(0x01010101), reps=reps)
-    read_ms = time_ms(lambda: torch.amax(words), reps=reps)
+    fill_ms = time_ms(lambda: words.fill_(0x01010101), device, reps=reps)
+    read_ms = time_ms(lambda: torch.amax(words), device, reps=reps)
     nbytes = 4 * numel
     return nbytes / fill_ms / 1e6, nbytes / read_ms / 1e6
 
