@@ -229,19 +229,19 @@ def compress(
         or not fixed.is_contiguous()
     ):
         raise ValueError(f"fixed must be {fixed_words} contiguous int32 words on {x.device}")
-    if nonzeros is not None and (
-        nonzeros.dtype != torch.int64 or nonzeros.shape != (1,) or nonzeros.device != x.device
-    ):
-        raise ValueError(f"nonzeros must be an int64 tensor of shape (1,) on {x.device}")
-    if report is not None and (
-        report.dtype != torch.int64
-        or report.shape != (1,)
-        or report.device not in (x.device, torch.device("cpu"))
-    ):
-        raise ValueError(f"report must be an int64 tensor of shape (1,) on {x.device} or in pinned host memory")
-    if base is not None and (base.dtype != torch.int64 or base.shape != (1,) or base.device != x.device):
-        raise ValueError(f"base must be an int64 tensor of shape (1,) on {x.device}")
+    _check_word("nonzeros", nonzeros, x.device)
+    _check_word("report", report, x.device, host_too=True)
+    _check_word("base", base, x.device)
     return compress_unchecked(x.contiguous(), codec, geometry, values, fixed, sign_pack, nonzeros, report, base)
+
+
+def _check_word(name: str, t: torch.Tensor | None, device: torch.device, *, host_too: bool = False) -> None:
+    """Raise unless ``t`` is None or an int64 ``[1]`` tensor on ``device`` (or, with
+    ``host_too``, in host memory)."""
+    devices = (device, torch.device("cpu")) if host_too else (device,)
+    if t is not None and (t.dtype != torch.int64 or t.shape != (1,) or t.device not in devices):
+        where = f"on {device} or in pinned host memory" if host_too else f"on {device}"
+        raise ValueError(f"{name} must be an int64 tensor of shape (1,) {where}")
 
 
 def compress_unchecked(
