@@ -206,22 +206,24 @@ class Session:
 
     def pack(self, options: Options, t: torch.Tensor):
         # Runs for every saved tensor (about 400 per GPT forward, between the model's ops, where
-        # the host often bounds the step), and most are skipped: decide that first, cheaply.
+        # the host often bounds the step), and most are skipped: decide that first, cheaply
+        # (the screen reads only the tensor, the options and the marks, so needs no lock).
+        reason, provenance = self._screen(t, options)
         with self._lock:
             if self._live == 0 and self._collector.arenas:
                 self._begin_step()
-            stats = self._collector.stats
+            collector = self._collector
+            stats = collector.stats
             stats.tensors_seen += 1
-            # The same tensor saved again (a square's input is ReLU's output): the same slot.
-            again = self._packed.get(id(t))
-            slot = again() if again is not None else None
-            if slot is not None and slot.watches(t):
-                stats.tensors_deduplicated += 1
-                slot.slots += 1
-                return slot
-            reason, provenance = self._screen(t, options)
             order = site = None
             if reason is None:
+                # The same tensor saved again (a square's input is ReLU's output): the same slot.
+                again = self._packed.get(id(t))
+                slot = again() if again is not None else None
+                if slot is not None and slot.watches(t):
+                    stats.tensors_deduplicated += 1
+                    slot.slots += 1
+                    return slot
                 # Tensors not proven ReLU-family are compressed only while their site pays.
                 if provenance is not Provenance.RELU and (site := self._site(t)) in self._unprofitable:
                     reason = "unprofitable_site"
@@ -232,12 +234,15 @@ class Session:
                     if order is None:
                         reason = "overlapping_or_gapped"
             if reason is not None:
-                self._collector.skipped[reason] += 1
+                collector.skipped[reason] += 1
                 # Kept without its history: a tensor saved by the node that made it (tanh's
                 # result) would hold that node, which holds it, in a cycle that only backward
-                # breaks (Python's collector cannot see it). Unpacking restores the history,
+                # breaks (Python's collector cannot see it). A parameter's view cannot be: its
+                # node is a view's, which saves no tensor. Unpacking restores the history,
                 # after checking the version (see handles.check_version).
-                return (t if t.grad_fn is None else t.detach()), t._version
+                if reason == "parameter" or t.grad_fn is None:
+                    return t, t._version
+                return t.detach(), t._version
             # Confirmed tensors release their dense copy here, during the forward.
             self._poll()
             found = self._find_stored(t)

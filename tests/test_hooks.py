@@ -597,6 +597,20 @@ def test_saved_tensor_modified_in_place_raises_as_autograd_does(stored):
     assert "Hint" in str(plain.value) and "Hint" in str(compressed.value)
 
 
+def test_parameter_modified_in_place_before_backward_raises_as_autograd_does():
+    """A parameter's view (Linear saves ``weight.t()``) is kept as it is; an optimizer step
+    between forward and backward must still raise rather than use the new weights."""
+    lin = nn.Linear(512, 512)
+    x = torch.randn(64, 512, requires_grad=True)
+    with bitsparse.compressing(min_numel=MIN_NUMEL):
+        loss = lin(x).sum()
+    assert bitsparse.stats().tensors_skipped.get("parameter", 0) >= 1
+    with torch.no_grad():
+        lin.weight.mul_(0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_no_grad_inside_compressing_stores_nothing():
     model, x = mlp(), mlp_input()
     before = bitsparse.stats().as_dict()
