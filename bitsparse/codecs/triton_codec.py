@@ -321,16 +321,15 @@ _decode_launcher = _Launcher(_decode_kernel, num_warps=DECODE_NUM_WARPS)
 GLUON_TRITON = (3, 6)
 _TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2])
 _GLUON = gluon_kernels is not None and not INTERPRETED and _TRITON == GLUON_TRITON and torch.version.hip is None
-_gluon_encode_launchers = (
-    {bits: _Launcher(gluon_kernels.encode_kernel, **options) for bits, options in gluon_kernels.ENCODE_OPTIONS.items()}
-    if _GLUON
-    else {}
-)
-_gluon_decode_launchers = (
-    {bits: _Launcher(gluon_kernels.decode_kernel, **options) for bits, options in gluon_kernels.DECODE_OPTIONS.items()}
-    if _GLUON
-    else {}
-)
+
+
+def _per_value_width(kernel, options_by_width: dict) -> dict[int, _Launcher]:
+    """A launcher of ``kernel`` for each value width, with that width's launch options."""
+    return {bits: _Launcher(kernel, **options) for bits, options in options_by_width.items()}
+
+
+_gluon_encode_launchers = _per_value_width(gluon_kernels.encode_kernel, gluon_kernels.ENCODE_OPTIONS) if _GLUON else {}
+_gluon_decode_launchers = _per_value_width(gluon_kernels.decode_kernel, gluon_kernels.DECODE_OPTIONS) if _GLUON else {}
 
 
 def _gluon_serves(tile: int, spec, stream: torch.Tensor) -> bool:
