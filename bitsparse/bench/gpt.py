@@ -1,4 +1,4 @@
-"""The ``gpt`` suite: the 12-layer GPT of SPEC.md section 2, batch 1, at several sequence lengths."""
+"""The ``gpt`` suite: a 12-layer GPT (``GPTConfig``: d=768, ReLU^2 MLP 768->3072->768), batch 1, at several lengths."""
 
 from __future__ import annotations
 
