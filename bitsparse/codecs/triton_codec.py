@@ -104,6 +104,18 @@ def _tile_ranks(words, offsets, HW_POPC: tl.constexpr):
 
 
 @triton.jit
+def _flag(condition):
+    """A scalar comparison as a boolean to combine with block masks.
+
+    The compiler folds this select of constants away (the PTX is unchanged). The interpreter
+    needs it: it types a comparison's result like its operands, so a scalar comparison
+    broadcast into a mask became an integer mask, which Triton 3.9's interpreter rejects
+    ("mask has unsupported dtype"); the select's result is typed like its constants.
+    """
+    return tl.where(condition, True, False)
+
+
+@triton.jit
 def _as_bits(x, BITS: tl.constexpr):
     """The bit patterns of ``x`` (a float or integer block of width ``BITS``) as signed integers."""
     if BITS == 8:
@@ -163,7 +175,7 @@ def _encode_kernel(
     for step in range(tiles_per_program):
         # Past the last tile everything below is masked off (and the atomic adds zero).
         tile = pid + step * num_programs
-        real = tile < num_tiles
+        real = _flag(tile < num_tiles)
         index = tile * TILE + offsets
         x = _as_bits(tl.load(x_ptr + index, mask=real & (index < numel), other=0), BITS)
         nonzero = x != 0
@@ -177,7 +189,7 @@ def _encode_kernel(
         if COUNT_NONZEROS:
             tl.atomic_add(nonzeros_ptr, count.to(tl.int64), sem="relaxed")
         if SIGN_PACK:
-            packed = tl.max(tl.where(nonzero & (x < 0), 1, 0)) == 0
+            packed = _flag(tl.max(tl.where(nonzero & (x < 0), 1, 0)) == 0)
         else:
             packed = False
         width = tl.where(packed, PACKED_BITS, BITS)
@@ -185,7 +197,7 @@ def _encode_kernel(
         offset = tl.atomic_add(appends_ptr, length.to(tl.int64), sem="relaxed")
         start = base + offset
         tl.store(tile_words_ptr + tile, offset.to(tl.int32) | (packed.to(tl.int32) << 31), mask=real)
-        fits = start + length <= capacity
+        fits = _flag(start + length <= capacity)
         raw_values = _bits_pointer(stream_ptr, BITS) + start * VALUES_PER_WORD
         tl.store(raw_values + rank, x, mask=nonzero & fits & (not packed))
         # Zero the unused slots of the tile's last word, so the stream's bytes are defined.
@@ -243,7 +255,7 @@ def _decode_kernel(
     rank, word, _ = _tile_ranks(words.to(tl.uint32, bitcast=True), offsets, HW_POPC)
     nonzero = ((word >> (offsets % 32).to(tl.uint32)) & 1) != 0
     tile_word = tl.load(fixed_ptr + num_tiles * MASK_WORDS + tile)
-    packed = tile_word < 0
+    packed = _flag(tile_word < 0)
     start = tl.load(base_ptr) + (tile_word & 0x7FFFFFFF)
     x = tl.load(_bits_pointer(stream_ptr, BITS) + start * VALUES_PER_WORD + rank, mask=nonzero & (not packed), other=0)
     if MAY_BE_PACKED:
