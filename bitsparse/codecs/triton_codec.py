@@ -25,6 +25,12 @@ every set bit, and a dense store of the tile (and, when asked, of its square).
 The kernels are launched through their compiled form (``_Launcher``), which skips most of
 the host time of a Triton launch.
 
+Both rely on Triton internals that change between releases. The Gluon kernels run only on
+the Triton release they were verified with (``GLUON_TRITON``); on CUDA with another one the
+portable kernels serve every call, and the first use says so once (``SlowKernelsWarning``).
+The direct launch is used on the releases whose launcher was checked (``FAST_LAUNCH_TRITON``),
+Triton's own launch on others.
+
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors; the interpreter has no popcount
 instruction, so a SWAR popcount is compiled in instead of ``libdevice.popc``.
 """
@@ -32,11 +38,12 @@ instruction, so a SWAR popcount is compiled in instead of ``libdevice.popc``.
 from __future__ import annotations
 
 import functools
+import re
+import warnings
 
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -44,9 +51,9 @@ from bitsparse.codecs.appends import finish_append
 from bitsparse.format import WORD_BITS
 
 try:
-    from bitsparse.codecs import gluon_kernels
-except ImportError:  # a Triton without Gluon
-    gluon_kernels = None
+    from triton import knobs
+except ImportError:  # a Triton without knobs: Triton's own launch only
+    knobs = None
 
 name = "triton"
 
@@ -313,7 +320,11 @@ class _Launcher:
         compiled = self._compiled.get(key)
         if compiled is None or _launch_hooks_set():
             # Triton's own path: compiles on first use, and runs any launch hooks (profilers).
-            self._compiled[key] = self._kernel[(grid,)](*args, **self.options)
+            # Where the direct launch below is not known to work, nothing is kept and every
+            # launch takes this path.
+            compiled = self._kernel[(grid,)](*args, **self.options)
+            if _FAST_LAUNCH and _launchable(compiled):
+                self._compiled[key] = compiled
             return
         stream = torch._C._cuda_getCurrentRawStream(device)
         compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
@@ -326,13 +337,85 @@ def _launch_hooks_set() -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _launchable(compiled) -> bool:
+    """Whether ``compiled`` (what a launch through Triton returned) has what the direct launch calls."""
+    return all(hasattr(compiled, attribute) for attribute in ("run", "function", "packed_metadata"))
+
+
+def triton_release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a Triton version string ("3.6.0", "3.7.0+git1a2b3c"); (0, 0) if
+    it has none."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else (0, 0)
+
+
+_TRITON = triton_release(triton.__version__)
+FAST_LAUNCH_TRITON = ((3, 6), (3, 9))
+"""The Triton releases (first and last) whose launch ``_Launcher`` calls directly was read in
+their sources: ``CompiledKernel.run(grid_x, grid_y, grid_z, stream, function,
+packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``, hooks None allowed."""
+_FAST_LAUNCH = (
+    knobs is not None
+    and hasattr(knobs, "runtime")
+    and hasattr(knobs.runtime, "launch_enter_hook")
+    and FAST_LAUNCH_TRITON[0] <= _TRITON <= FAST_LAUNCH_TRITON[1]
+)
+
 _encode_launcher = _Launcher(_encode_kernel, num_warps=ENCODE_NUM_WARPS)
 _decode_launcher = _Launcher(_decode_kernel, num_warps=DECODE_NUM_WARPS)
+
 # Faster kernels for some cases on NVIDIA GPUs (their module says why they are Gluon and
 # PTX). Gluon's API is experimental: they run on the Triton they were written and tested for.
 GLUON_TRITON = (3, 6)
-_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2])
-_GLUON = gluon_kernels is not None and not INTERPRETED and _TRITON == GLUON_TRITON and torch.version.hip is None
+"""The Triton release (major, minor) the Gluon kernels were written and verified for."""
+
+
+class SlowKernelsWarning(UserWarning):
+    """The fast (Gluon) CUDA kernels are not verified for the installed Triton: the portable
+    Triton kernels encode and decode instead, correctly but more slowly."""
+
+
+def gluon_decision(version: str, interpreted: bool, hip: str | None) -> tuple[bool, str | None]:
+    """Whether the Gluon kernels may run with Triton ``version``, and when they may not for a
+    reason the user can fix, the warning that says so (None otherwise).
+
+    Under the interpreter (the CPU) and on ROCm (``hip``, a HIP version) they never run, by
+    design, and nothing is said. On CUDA they run on the verified release only.
+    """
+    if interpreted or hip is not None:
+        return False, None
+    if triton_release(version) == GLUON_TRITON:
+        return True, None
+    verified = ".".join(map(str, GLUON_TRITON))
+    return False, (
+        f"bitsparse: its fast CUDA kernels (Gluon) are verified with triton {verified} only, and triton "
+        f"{version} is installed, so the portable Triton kernels encode and decode instead: the results "
+        f"are the same, but encoding and decoding are slower (1.2x to 6x, docs/benchmarks.md). For the "
+        f"fast kernels, install triton {verified} (the release torch 2.11 requires)."
+    )
+
+
+_GLUON, _GLUON_WARNING = gluon_decision(triton.__version__, INTERPRETED, torch.version.hip)
+gluon_kernels = None
+if _GLUON:
+    try:
+        from bitsparse.codecs import gluon_kernels
+    except Exception as error:  # a Triton built without Gluon, or one whose Gluon changed
+        _GLUON = False
+        _GLUON_WARNING = (
+            f"bitsparse: its fast CUDA kernels (Gluon) could not be loaded with triton {triton.__version__} "
+            f"({error!r}), so the portable Triton kernels encode and decode instead: the results are the "
+            "same, but encoding and decoding are slower (1.2x to 6x, docs/benchmarks.md)."
+        )
+_warned = False
+
+
+def _warn_if_slow() -> None:
+    """Say once per process, at the first use on CUDA, that the Gluon kernels do not run."""
+    global _warned
+    if _GLUON_WARNING is not None and not _warned:
+        _warned = True
+        warnings.warn(_GLUON_WARNING, SlowKernelsWarning, stacklevel=4)
 
 
 def _per_value_width(kernel, options_by_width: dict) -> dict[int, _Launcher]:
@@ -362,6 +445,9 @@ def _has_async_copies(device: int) -> bool:
 
 
 def check_device(device: torch.device) -> None:
+    if device.type == "cuda" and not INTERPRETED:
+        _warn_if_slow()
+        return
     if device.type == "cuda" or (device.type == "cpu" and INTERPRETED):
         return
     raise ValueError(

@@ -1,0 +1,129 @@
+"""Which Triton kernels run with which Triton, decided on the CPU.
+
+The Gluon kernels run on CUDA only with the Triton release they were verified with
+(``triton_codec.GLUON_TRITON``); with another one the portable kernels serve every call and
+the first use on CUDA warns once, naming both releases. The CPU (the interpreter) never warns.
+The decision is tested here with other version strings; the subprocess tests import the codec
+as a CUDA machine would (without the interpreter), with ``triton.__version__`` replaced.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from bitsparse.codecs import triton_codec  # noqa: E402
+
+VERIFIED = ".".join(map(str, triton_codec.GLUON_TRITON))
+
+
+@pytest.mark.parametrize(
+    "version, release",
+    [("3.6.0", (3, 6)), ("3.7.1", (3, 7)), ("3.10.0", (3, 10)), ("3.7.0+git1a2b3c4", (3, 7)), ("unknown", (0, 0))],
+)
+def test_triton_release(version, release):
+    assert triton_codec.triton_release(version) == release
+
+
+@pytest.mark.parametrize("version", [VERIFIED + ".0", VERIFIED + ".1", VERIFIED + ".0+gitabcdef"])
+def test_gluon_runs_on_the_verified_release(version):
+    assert triton_codec.gluon_decision(version, interpreted=False, hip=None) == (True, None)
+
+
+@pytest.mark.parametrize("version", ["3.5.1", "3.7.1", "3.8.0", "3.9.0", "4.0.0"])
+def test_other_releases_run_the_portable_kernels_and_say_why(version):
+    use, warning = triton_codec.gluon_decision(version, interpreted=False, hip=None)
+    assert not use
+    assert f"triton {version} is installed" in warning
+    assert f"verified with triton {VERIFIED}" in warning
+    assert "portable Triton kernels" in warning and "slower" in warning
+    assert f"install triton {VERIFIED}" in warning
+
+
+@pytest.mark.parametrize("version", [VERIFIED + ".0", "3.9.0"])
+def test_interpreter_and_rocm_never_run_gluon_nor_warn(version):
+    assert triton_codec.gluon_decision(version, interpreted=True, hip=None) == (False, None)
+    assert triton_codec.gluon_decision(version, interpreted=False, hip="7.0") == (False, None)
+
+
+def test_this_process_does_not_warn_on_the_cpu():
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path: without CUDA")
+    assert triton_codec.INTERPRETED  # tests/conftest.py
+    assert not triton_codec._GLUON and triton_codec._GLUON_WARNING is None
+
+
+def test_warns_once_at_the_first_use_on_cuda(monkeypatch):
+    monkeypatch.setattr(triton_codec, "INTERPRETED", False)
+    monkeypatch.setattr(triton_codec, "_GLUON_WARNING", "bitsparse: test message")
+    monkeypatch.setattr(triton_codec, "_warned", False)
+    with pytest.warns(triton_codec.SlowKernelsWarning, match="test message") as record:
+        triton_codec.check_device(torch.device("cuda"))
+        triton_codec.check_device(torch.device("cuda", 1))
+    assert len(record) == 1
+
+
+def test_never_warns_under_the_interpreter(monkeypatch):
+    monkeypatch.setattr(triton_codec, "INTERPRETED", True)
+    monkeypatch.setattr(triton_codec, "_GLUON_WARNING", "bitsparse: test message")
+    monkeypatch.setattr(triton_codec, "_warned", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        triton_codec.check_device(torch.device("cpu"))
+        triton_codec.check_device(torch.device("cuda"))
+
+
+_IMPORT_AS_ON_CUDA = textwrap.dedent(
+    """
+    import sys, warnings
+    import torch, triton
+    installed = triton.__version__
+    triton.__version__ = sys.argv[1]
+    from bitsparse.codecs import triton_codec
+    assert not triton_codec.INTERPRETED
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        triton_codec.check_device(torch.device("cuda"))
+        triton_codec.check_device(torch.device("cuda"))
+    print("gluon", triton_codec._GLUON, triton_codec.gluon_kernels is not None)
+    print("fast_launch", triton_codec._FAST_LAUNCH)
+    print("warnings", len(record))
+    for w in record:
+        assert w.category is triton_codec.SlowKernelsWarning, w
+        print("message", w.message)
+    """
+)
+
+
+def import_as_on_cuda(version: str) -> str:
+    """The output of ``_IMPORT_AS_ON_CUDA``, run without the interpreter, Triton reporting ``version``."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORT_AS_ON_CUDA, version], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="imports the codec without the interpreter on a CPU")
+def test_verified_release_loads_gluon_and_does_not_warn():
+    out = import_as_on_cuda(VERIFIED + ".0")
+    assert "gluon True True" in out
+    assert "fast_launch True" in out
+    assert "warnings 0" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="imports the codec without the interpreter on a CPU")
+def test_unverified_release_warns_once_and_does_not_load_gluon():
+    out = import_as_on_cuda("3.99.0")
+    assert "gluon False False" in out
+    assert "fast_launch False" in out  # a launcher not read: Triton's own launch
+    assert "warnings 1" in out
+    assert "triton 3.99.0 is installed" in out and f"verified with triton {VERIFIED}" in out
