@@ -1,4 +1,4 @@
-"""The arena: one preallocated buffer per device, handed out without waiting for the GPU.
+"""The arena: one buffer per device for compressed tensors, handed out without waiting for the GPU.
 
 The buffer is a run of int32 words in two regions:
 
@@ -14,13 +14,17 @@ The host learns how far the value cursor went asynchronously: each append on CUD
 *report slot* (``next_report``), a word of pinned host memory that its encoder sets to the
 end of the append plus one when it finishes; ``poll`` reads the slots, with no CUDA call and
 without blocking, and reports each append's end to its callback (given to ``submit``). At
-most ``window`` appends stay unconfirmed: when one more arrives, the oldest is waited for.
-That wait only happens when the host runs more than ``window`` appends ahead of the GPU, so
-it throttles the host and costs the GPU nothing.
+most ``window`` throttled appends stay unconfirmed: when one more arrives, the oldest is
+waited for. That wait only happens when the host runs more than ``window`` appends ahead of
+the GPU, so it throttles the host and costs the GPU nothing.
 
-Leases tie the arena's life cycle to its users: while any lease is open, nothing is
-reused. When the last one is released the step is over: the next ``open_lease`` resets both
-regions, after growing the buffer if the step overflowed or came close to.
+An append that did not fit (or that was only measured: see ``Codec.measure``) still moves
+the cursor, so the cursor's last position is what the step would have needed.
+
+Leases tie the arena's contents to their users: while any lease is open, ``begin_step``
+keeps them. Otherwise it sizes both regions to what the last step needed (plus headroom)
+and empties them. The arena starts empty unless given a capacity: a first step only
+measures, and the next one has room for what the first needed.
 
 The arena knows nothing of autograd or of the format: it hands out words.
 """
@@ -41,20 +45,25 @@ WORD_BYTES = 4
 GROW_WHEN_ABOVE = 0.9
 """A region is grown when a step used more than this fraction of it."""
 HEADROOM = 1.15
-"""A grown region is this much larger than the step's demand."""
+"""A resized region is this much larger than the step's demand."""
 REPORT_TIMEOUT_S = 1.0
 """How long a wait spins on a report slot before it synchronizes the device instead."""
-INITIAL_START_SLOTS = 64
-"""Start words made with the arena; more are made between steps when a step needed more."""
+START_SLOTS = 64
+"""Start words made when the first is asked for; more are made between steps as needed."""
+REPORT_SLOTS = 64
+"""Report slots made at a time (pinned host memory), when every slot is in use."""
 MAX_CACHED_VIEWS = 4096
 """Fixed-region views kept for reuse; the cache is emptied when it grows past this."""
 
 
 @dataclass
 class ArenaUsage:
-    """What the last finished step (or the one in progress) asked of the arena, in bytes."""
+    """What the arena holds and what was asked of it since it was last emptied, in bytes."""
 
     capacity: int
+    """The buffer: both regions."""
+    reserved: int
+    """All the device memory the arena holds: the buffer, its start words and counters."""
     values_capacity: int
     fixed_used: int
     fixed_demand: int
@@ -63,7 +72,7 @@ class ArenaUsage:
 
     @property
     def peak(self) -> int:
-        """Bytes in use at the step's end (its peak, since nothing is freed within a step)."""
+        """Bytes in use (their peak, since nothing is freed before the arena is emptied)."""
         return self.fixed_used + min(self.values_demand, self.values_capacity)
 
 
@@ -78,7 +87,7 @@ class Lease:
     def release(self) -> None:
         if self._arena is not None:
             arena, self._arena = self._arena, None
-            arena._lease_released()
+            arena._leases -= 1
 
 
 class Arena:
@@ -86,23 +95,24 @@ class Arena:
 
     Args:
         device: the device of the buffer.
-        capacity_bytes: initial size of the buffer.
-        fixed_fraction: initial share of the buffer for the fixed region.
-        window: most appends whose end the host has not confirmed yet.
-        growable: grow (and shrink) the regions between steps to fit the last step's demand.
+        capacity_bytes: initial size of the buffer (0: none until a step asks for room).
+        fixed_fraction: share of an explicit capacity for the fixed region.
+        window: most throttled appends whose end the host has not confirmed yet.
+        growable: resize the regions between steps to fit the last step's demand.
+
+    Raises:
+        ValueError: a negative capacity, a fraction outside (0, 1) or a window below 1.
     """
 
     def __init__(
         self,
         device: torch.device | str,
-        capacity_bytes: int,
+        capacity_bytes: int = 0,
         *,
         fixed_fraction: float = 0.25,
-        window: int = 8,
+        window: int = 1,
         growable: bool = True,
     ):
-        if capacity_bytes < 2 * WORD_BYTES * 8:
-            raise ValueError(f"arena capacity must be at least 64 bytes, got {capacity_bytes}")
         if not 0 < fixed_fraction < 1:
             raise ValueError(f"fixed_fraction must be between 0 and 1, got {fixed_fraction}")
         if window < 1:
@@ -110,52 +120,87 @@ class Arena:
         self.device = torch.device(device)
         self.window = window
         self.growable = growable
-        self._cursor = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._device_index = self._cursor.get_device()
-        words = capacity_bytes // WORD_BYTES
-        fixed = max(1, int(words * fixed_fraction))
-        self._allocate(fixed, words - fixed)
-        self._allocate_start_slots(INITIAL_START_SLOTS)
-        self._starts_used = 0
+        self.fixed_fraction = fixed_fraction
+        # The cursor, then the encoders' two scratch words (see ValueBuffer).
+        self._counters = torch.zeros(3, dtype=torch.int64, device=self.device)
+        self.cursor, self.appends = self._counters[:1], self._counters[1:]
+        self._device_index = self._counters.get_device()
+        self._buffer: torch.Tensor | None = None
+        self.values: ValueBuffer | None = None
+        self._planned: tuple[int, int] | None = None
+        """Region sizes (fixed, value words) to allocate at the next ``reserve_fixed``."""
+        self._leases = 0
+        self._start_slots: tuple = ()
+        self.resize(capacity_bytes)
         self._asynchronous = self.device.type == "cuda"
-        if self._asynchronous:
-            # A ring of window + 1 report slots: slot k is reused only after its last report
-            # was delivered. Made once, since each append is host time.
-            ends = torch.zeros(window + 1, dtype=torch.int64, pin_memory=True)
-            self._report_slots = ends.split(1)
-            self._ends = ends.numpy()
+        self._report_slots: list[torch.Tensor] = []
+        self._report_ends: list = []  # NumPy views of the slots, read without a CUDA call
+        self._free_reports: list[int] = []
         self._pending: collections.deque = collections.deque()
+        self._throttled = 0
         self._step = 0
         self._last_report = (0, 0)
-        self._submitted = 0
-        self._leases = 0
-        self._step_over = False
-        self._begin_step()
+        self._empty()
 
     # -- layout -------------------------------------------------------------------------
 
-    def _allocate(self, fixed_words: int, value_words: int) -> None:
-        self._buffer = torch.empty(value_words + fixed_words, dtype=torch.int32, device=self.device)
-        # The value region's last word is its guard (see ValueBuffer).
-        self.values = ValueBuffer.wrap(self._buffer[:value_words], self._cursor)
-        self._fixed_start = value_words
-        # Steps of a training loop reserve the same spans: their views are made once, since
-        # making a view is host time on every stored tensor.
-        self._fixed_views: dict[tuple[int, int], torch.Tensor] = {}
+    def resize(self, capacity_bytes: int) -> None:
+        """Make the buffer ``capacity_bytes`` (split by ``fixed_fraction``), empty. Only
+        while no lease is open.
 
-    def _allocate_start_slots(self, count: int) -> None:
+        Raises:
+            ValueError: a negative capacity. RuntimeError: a lease is open.
+        """
+        if capacity_bytes < 0:
+            raise ValueError(f"arena capacity must be >= 0 bytes, got {capacity_bytes}")
+        words = capacity_bytes // WORD_BYTES
+        fixed = max(1, int(words * self.fixed_fraction)) if words >= 3 else 0
+        self._allocate(fixed, max(0, words - fixed - 1))
+        if fixed and len(self._start_slots) < START_SLOTS:
+            self._make_start_slots(START_SLOTS)
+
+    def _allocate(self, fixed_words: int, value_words: int) -> None:
+        """A new buffer: ``value_words`` usable words and the guard (see ValueBuffer), then
+        ``fixed_words``; none when ``fixed_words`` is 0. The old one is released first."""
+        if self._leases:
+            raise RuntimeError("the arena cannot be resized while its contents are leased")
+        # Nothing may keep the old buffer alive while the new one is allocated.
+        self.values = self._buffer = self._planned = None
+        self._fixed_views: dict[tuple[int, int], torch.Tensor] = {}
+        self._fixed_start = 0
+        if fixed_words == 0:
+            return
+        self._buffer = torch.empty(value_words + 1 + fixed_words, dtype=torch.int32, device=self.device)
+        self.values = ValueBuffer.over(self._buffer[: value_words + 1], self._counters)
+        self._fixed_start = value_words + 1
+
+    def _make_start_slots(self, count: int) -> None:
+        self._start_slots = ()  # the old slots are released first
         self._start_slots = torch.empty(count, dtype=torch.int64, device=self.device).split(1)
 
     @property
     def capacity_bytes(self) -> int:
-        return self._buffer.numel() * WORD_BYTES
+        return 0 if self._buffer is None else self._buffer.numel() * WORD_BYTES
+
+    @property
+    def values_capacity_words(self) -> int:
+        """Usable words of the value region (its guard excluded)."""
+        return 0 if self.values is None else self.values.capacity
 
     @property
     def fixed_capacity_words(self) -> int:
-        return self._buffer.numel() - self._fixed_start
+        return 0 if self._buffer is None else self._buffer.numel() - self._fixed_start
+
+    @property
+    def reserved_bytes(self) -> int:
+        """All the device memory the arena holds."""
+        counters = self._counters.numel() * self._counters.element_size()
+        return self.capacity_bytes + counters + 8 * len(self._start_slots)
 
     def reserve_fixed(self, words: int) -> torch.Tensor | None:
         """``words`` int32 words of the fixed region, or None when the region is full."""
+        if self._planned is not None:
+            self._allocate(*self._planned)
         self._fixed_demand += words
         start = self._fixed_start + self._fixed_used
         if self._fixed_used + words > self.fixed_capacity_words:
@@ -169,8 +214,8 @@ class Arena:
         return view
 
     def next_start(self) -> torch.Tensor:
-        """An int64 ``[1]`` device word for the next append to write where its values start
-        (``compress(base=...)``), distinct from every other append's until the step ends."""
+        """An int64 ``[1]`` device word for the next append to write where its values start,
+        distinct from every other append's until the arena is emptied."""
         index = self._starts_used
         self._starts_used += 1
         if index < len(self._start_slots):
@@ -178,8 +223,8 @@ class Arena:
         return torch.empty(1, dtype=torch.int64, device=self.device)  # more slots next step
 
     def on_append_stream(self) -> bool:
-        """Whether the current stream may append now: the first append of a step fixes the
-        stream (encoders read and move the cursor in stream order; see ``ValueBuffer``)."""
+        """Whether the current stream may append now: the first append after the arena was
+        emptied fixes the stream (encoders read and move the cursor in stream order)."""
         if not self._asynchronous:
             return True
         # The raw handle: building a torch.cuda.Stream object per append costs host time.
@@ -190,41 +235,49 @@ class Arena:
 
     # -- confirmation ---------------------------------------------------------------------
 
-    def next_report(self) -> torch.Tensor | None:
-        """The report slot for the next append (pass it to ``compress(report=...)``), then
-        ``submit`` once the append is queued. None off CUDA, where ``submit`` reads the cursor.
+    def next_report(self, throttled: bool = True) -> tuple[int, torch.Tensor] | tuple[None, None]:
+        """A report slot for the next append: its number, for ``submit``, and the word to pass
+        to the codec (``(None, None)`` off CUDA, where ``submit`` reads the cursor).
 
-        Waits for the oldest unconfirmed append first when ``window`` are unconfirmed.
+        A throttled append (whose caller holds memory until it is confirmed) first waits for
+        the oldest unconfirmed one when ``window`` throttled appends are unconfirmed.
         """
         if not self._asynchronous:
-            return None
-        if len(self._pending) >= self.window:
-            self._window_waits += 1
-            self._deliver(wait=True)
-        self._ends[self._next_slot] = 0
-        return self._report_slots[self._next_slot]
+            return None, None
+        if throttled:
+            while self._throttled >= self.window:
+                self._window_waits += 1
+                self._deliver(wait=True)
+        if not self._free_reports:
+            self._add_report_slots()
+        slot = self._free_reports.pop()
+        self._report_ends[slot][0] = 0
+        return slot, self._report_slots[slot]
 
-    def submit(self, on_end: Callable[[int, int], None]) -> None:
+    def _add_report_slots(self) -> None:
+        ends = torch.zeros(REPORT_SLOTS, dtype=torch.int64, pin_memory=True)
+        first = len(self._report_slots)
+        self._report_slots.extend(ends.split(1))
+        self._report_ends.extend(ends.numpy()[i : i + 1] for i in range(REPORT_SLOTS))
+        self._free_reports.extend(range(first + REPORT_SLOTS - 1, first - 1, -1))
+
+    def submit(self, slot: int | None, on_end: Callable[[int, int], None], throttled: bool = True) -> None:
         """Report to ``on_end(start, end)`` the value words appended since the last ``submit``
-        of this step: ``start`` is the cursor then, ``end`` the cursor after the queued work.
+        since the arena was emptied: ``start`` is the cursor then, ``end`` after the append.
 
         On CUDA the report comes from a later ``poll`` (the append must have been given the
-        slot from ``next_report``); elsewhere it comes at once.
+        word of ``slot`` from ``next_report``); elsewhere it comes at once.
         """
+        self._appends += 1
         if not self._asynchronous:
-            self._record_end(int(self._cursor), on_end, self._step)
+            self._record_end(int(self.cursor), on_end, self._step)
             return
-        self._pending.append((self._next_slot, self._step, on_end))
-        self._submitted += 1
-
-    @property
-    def _next_slot(self) -> int:
-        """The ring slot of the next append's report."""
-        return self._submitted % (self.window + 1)
+        self._pending.append((slot, self._step, on_end, throttled))
+        self._throttled += throttled
 
     def poll(self) -> None:
         """Deliver the reports that have arrived; never blocks."""
-        while self._pending and self._ends[self._pending[0][0]]:
+        while self._pending and self._report_ends[self._pending[0][0]][0]:
             self._deliver(wait=False)
 
     def drain(self) -> None:
@@ -233,19 +286,22 @@ class Arena:
             self._deliver(wait=True)
 
     def _deliver(self, wait: bool) -> None:
-        slot, step, callback = self._pending.popleft()
+        slot, step, callback, throttled = self._pending.popleft()
+        self._throttled -= throttled
         if wait:
             self._wait_for(slot)
-        self._record_end(int(self._ends[slot]) - 1, callback, step)
+        end = int(self._report_ends[slot][0]) - 1
+        self._free_reports.append(slot)
+        self._record_end(end, callback, step)
 
     def _wait_for(self, slot: int) -> None:
         """Spin until the slot's report arrives; after ``REPORT_TIMEOUT_S``, synchronize the
         device instead (every write of a finished kernel is visible then)."""
         deadline = time.monotonic() + REPORT_TIMEOUT_S
-        while not self._ends[slot]:
+        while not self._report_ends[slot][0]:
             if time.monotonic() > deadline:
                 torch.cuda.synchronize(self.device)
-                if not self._ends[slot]:
+                if not self._report_ends[slot][0]:
                     raise RuntimeError(
                         "an append never reported its end: was it given this arena's report slot "
                         "(next_report) and queued on this device?"
@@ -262,66 +318,69 @@ class Arena:
     # -- life cycle -----------------------------------------------------------------------
 
     def open_lease(self) -> Lease:
-        """Claim the arena's contents; the first lease of a step resets the arena."""
-        if self._step_over:
-            self._begin_step()
+        """Claim the arena's contents: ``begin_step`` keeps them until the lease is released."""
         self._leases += 1
         return Lease(self)
 
-    def _lease_released(self) -> None:
-        self._leases -= 1
-        if self._leases == 0:
-            self._step_over = True
-
     @property
-    def step_over(self) -> bool:
-        """True once every lease of the step has been released."""
-        return self._step_over
+    def leased(self) -> bool:
+        return self._leases > 0
+
+    def begin_step(self, fixed_words: int, value_words: int) -> bool:
+        """Empty the arena for a new step that is expected to need ``fixed_words`` and
+        ``value_words`` (what the last step needed), unless a lease is open; return whether
+        it did.
+
+        Before emptying, it delivers the last step's reports and, if ``growable``, plans each
+        region at the expected demand times ``HEADROOM`` when that is above
+        ``GROW_WHEN_ABOVE`` of its size or under half of it. A region that changes is
+        released now and allocated again at the first ``reserve_fixed``.
+        """
+        if self._leases:
+            return False
+        self.drain()
+        if self.growable:
+            self._plan(fixed_words, value_words)
+        # Every append of the last step (measured ones too) may need a start word in this one.
+        if self._appends > len(self._start_slots):
+            self._make_start_slots(math.ceil(self._appends * HEADROOM))
+        self._step += 1
+        self.cursor.zero_()
+        self._empty()
+        return True
+
+    def _empty(self) -> None:
+        self._fixed_used = 0
+        self._fixed_demand = 0
+        self._values_demand = 0
+        self._starts_used = 0
+        self._appends = 0
+        self._window_waits = 0
+        self._stream = None
 
     def usage(self) -> ArenaUsage:
-        """The current step's demand so far (only confirmed appends count; see ``drain``)."""
+        """What the arena holds, and what was asked of it since it was emptied (appends count
+        once confirmed; see ``drain``)."""
         return ArenaUsage(
             capacity=self.capacity_bytes,
-            values_capacity=self.values.capacity * WORD_BYTES,
+            reserved=self.reserved_bytes,
+            values_capacity=self.values_capacity_words * WORD_BYTES,
             fixed_used=self._fixed_used * WORD_BYTES,
             fixed_demand=self._fixed_demand * WORD_BYTES,
             values_demand=self._values_demand * WORD_BYTES,
             window_waits=self._window_waits,
         )
 
-    def _begin_step(self) -> None:
-        # Reports still in flight belong to the step that just ended; deliver them if ready.
-        self.poll()
-        if self._step_over and self.growable and (self._fixed_demand or self._values_demand):
-            self._fit(self._fixed_demand, self._values_demand, complete=not self._pending)
-        self._step += 1
-        self._cursor.zero_()
-        self._fixed_used = 0
-        self._fixed_demand = 0
-        self._values_demand = 0
-        if self._starts_used > len(self._start_slots):
-            self._allocate_start_slots(math.ceil(self._starts_used * HEADROOM))
-        self._starts_used = 0
-        self._window_waits = 0
-        self._stream = None
-        self._step_over = False
-
-    def _fit(self, fixed_demand: int, values_demand: int, complete: bool) -> None:
-        """Resize the regions to the last step's demand: grow when it came close to a region's
-        size, shrink when it used less than half (only when every report is in and nothing
-        was refused, since otherwise the demand known is a lower bound)."""
-        value_words = self.values.capacity + 1
-        fixed_words = self.fixed_capacity_words
-
-        # After a refusal the demand of what was refused is unknown: shrink nothing then.
-        may_shrink = complete and fixed_demand <= fixed_words and values_demand < value_words
+    def _plan(self, fixed_demand: int, values_demand: int) -> None:
+        """Plan the regions for a step's demand (in words), where it differs enough."""
 
         def planned(current: int, demand: int) -> int:
-            if demand > GROW_WHEN_ABOVE * current or (may_shrink and demand * 2 < current):
-                return max(8, math.ceil(demand * HEADROOM))
+            if demand > GROW_WHEN_ABOVE * current or demand * 2 < current:
+                return math.ceil(demand * HEADROOM)
             return current
 
-        new_fixed, new_values = planned(fixed_words, fixed_demand), planned(value_words, values_demand + 1)
-        if (new_fixed, new_values) != (fixed_words, value_words):
-            self._buffer = None  # free the old buffer before taking the new one
-            self._allocate(new_fixed, new_values)
+        current = self._planned or (self.fixed_capacity_words, self.values_capacity_words)
+        plan = (planned(current[0], fixed_demand), planned(current[1], values_demand))
+        if plan != (self.fixed_capacity_words, self.values_capacity_words):
+            self._allocate(0, 0)  # released now, allocated when first needed
+            self._planned = plan

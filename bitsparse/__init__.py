@@ -18,8 +18,9 @@ The storage format is specified in ``docs/format.md`` and implemented in ``bitsp
 
 from bitsparse.compressed import CompressedTensor, ValueBuffer, compress, decompress
 from bitsparse.format import SUPPORTED_DTYPES, TileGeometry
-from bitsparse.hooks.manager import Options, Stats
-from bitsparse.training import compressing, disable, enable, is_enabled, mark, stats
+from bitsparse.hooks.options import Options
+from bitsparse.hooks.stats import Stats
+from bitsparse.training import compressing, disable, enable, is_enabled, mark, reset, stats
 
 __version__ = "0.1.0"
 
@@ -37,5 +38,6 @@ __all__ = [
     "enable",
     "is_enabled",
     "mark",
+    "reset",
     "stats",
 ]

@@ -1,8 +1,13 @@
-"""The public codec API: ``compress``, ``decompress``, ``CompressedTensor`` and ``ValueBuffer``."""
+"""The public codec API: ``compress``, ``decompress``, ``CompressedTensor`` and ``ValueBuffer``.
+
+``compress_into`` and ``decompress_with`` are the same operations without argument checks,
+for the arena and the hooks, which build valid arguments themselves.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import threading
 
 import torch
 
@@ -26,36 +31,56 @@ class ValueBuffer:
     handed out. ``cursor`` (int64 ``[1]``, on the same device) is the next free word.
     Encoders advance the cursor on the device, so appending never waits for the GPU; a tensor
     whose values did not fit advances it past ``capacity`` (see ``CompressedTensor.fits``).
-    ``appends`` (int64 ``[2]``, zero between appends) is the encoders' scratch: the words an
-    append has claimed so far and how many of its programs finished. Appends to one buffer
-    must therefore follow each other in stream order (one CUDA stream, as an arena's do).
+
+    Thread safety: ``compress`` serializes appends to one buffer, and on CUDA orders them
+    on the device too (an append on another stream than the last one waits for it there),
+    so threads and streams may share a buffer. ``reset`` makes the buffer's earlier tensors
+    undecodable: ``decompress`` refuses them.
 
     Args:
-        capacity_words: usable words of the new buffer.
+        capacity_words: usable words of the new buffer (an int >= 0).
         device: where the buffer lives.
+
+    Raises:
+        TypeError: ``capacity_words`` is not an int.
+        ValueError: ``capacity_words`` is negative.
     """
 
     def __init__(self, capacity_words: int, device: torch.device | str | None = None):
+        if isinstance(capacity_words, bool) or not isinstance(capacity_words, int):
+            raise TypeError(f"capacity_words must be an int (a number of 32-bit words), got {capacity_words!r}")
         if capacity_words < 0:
             raise ValueError(f"capacity_words must be >= 0, got {capacity_words}")
-        self.words = torch.empty(capacity_words + 1, dtype=torch.int32, device=device)
-        self.cursor = torch.zeros(1, dtype=torch.int64, device=device)
-        self.appends = torch.zeros(2, dtype=torch.int64, device=device)
+        words = torch.empty(capacity_words + 1, dtype=torch.int32, device=device)
+        self._init(words, torch.zeros(3, dtype=torch.int64, device=device))
 
     @classmethod
-    def wrap(cls, words: torch.Tensor, cursor: torch.Tensor) -> "ValueBuffer":
-        """A buffer over existing ``words`` (its last word is the guard) and ``cursor``.
+    def over(cls, words: torch.Tensor, counters: torch.Tensor) -> "ValueBuffer":
+        """A buffer over existing ``words`` (the last is the guard) and ``counters`` (int64
+        ``[3]``: the cursor, then the encoders' two scratch words, zero between appends).
 
-        An arena hands out such views of its one allocation; they share its cursor.
+        For allocators: an arena hands out such a view of its one allocation. Appends to
+        buffers that share counters must be serialized by their owner.
         """
         if words.dtype != torch.int32 or words.dim() != 1 or words.numel() < 1:
             raise ValueError("words must be a non-empty 1-D int32 tensor")
-        if cursor.dtype != torch.int64 or cursor.shape != (1,) or cursor.device != words.device:
-            raise ValueError("cursor must be an int64 tensor of shape (1,) on the words' device")
+        if counters.dtype != torch.int64 or counters.shape != (3,) or counters.device != words.device:
+            raise ValueError("counters must be an int64 tensor of shape (3,) on the words' device")
         buffer = cls.__new__(cls)
-        buffer.words, buffer.cursor = words, cursor
-        buffer.appends = torch.zeros(2, dtype=torch.int64, device=words.device)
+        buffer._init(words, counters)
         return buffer
+
+    def _init(self, words: torch.Tensor, counters: torch.Tensor) -> None:
+        self.words = words
+        self.cursor = counters[:1]
+        self.appends = counters[1:]
+        """The encoders' scratch: words an append has claimed so far, programs finished."""
+        self.generation = 0
+        """How many times ``reset`` was called; a compressed tensor remembers it."""
+        self._counters = counters
+        self._lock = threading.Lock()
+        # The stream of the last append (at first, the one the memory was allocated on).
+        self._last_stream = torch.cuda.current_stream(words.device) if words.device.type == "cuda" else None
 
     @property
     def capacity(self) -> int:
@@ -67,13 +92,30 @@ class ValueBuffer:
         return self.words.device
 
     def reset(self) -> None:
-        """Forget every stream written so far (asynchronously, on the current stream)."""
-        self.cursor.zero_()
+        """Forget every stream written so far (asynchronously, in stream order): the space
+        is reused, and the tensors compressed into it before can no longer be decompressed."""
+        with self._lock:
+            self._order_after_last_append()
+            self.cursor.zero_()
+            self.generation += 1
+
+    def _order_after_last_append(self) -> None:
+        """On CUDA, make the current stream wait for the last append made on another stream:
+        encoders read and move the cursor in stream order. Call with the lock held."""
+        if self._last_stream is None:
+            return
+        stream = torch.cuda.current_stream(self.words.device)
+        if self._last_stream != stream:
+            stream.wait_stream(self._last_stream)
+            # The allocator must not reuse the memory before this stream is done with it.
+            self.words.record_stream(stream)
+            self._counters.record_stream(stream)
+            self._last_stream = stream
 
 
-@dataclass(eq=False, slots=True)
+@dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class CompressedTensor:
-    """A tensor stored in the BitSparse format (``docs/format.md``). Treat it as read-only.
+    """A tensor stored in the BitSparse format (``docs/format.md``). Read-only.
 
     Attributes:
         shape, dtype: those of the original tensor.
@@ -82,8 +124,9 @@ class CompressedTensor:
         geometry: the tile geometry.
         fixed: int32 ``[num_tiles * (tile_size / 32 + 1)]``: the nonzero bitmasks, then the
             tile words (see ``masks`` and ``tile_words``).
-        values: the buffer holding the value stream (shared with other tensors in an arena).
+        values: the buffer holding the value stream (possibly shared with other tensors).
         base: int64 ``[1]``, the word of ``values`` where this tensor's stream starts.
+        generation: ``values.generation`` when the tensor was compressed.
     """
 
     shape: torch.Size
@@ -93,6 +136,9 @@ class CompressedTensor:
     fixed: torch.Tensor
     values: ValueBuffer
     base: torch.Tensor
+    generation: int = 0
+    _fit: list = dataclasses.field(default_factory=list, repr=False)
+    """Empty until the fit is known, then ``[fits]`` (a private buffer always fits)."""
 
     @property
     def masks(self) -> torch.Tensor:
@@ -144,9 +190,14 @@ class CompressedTensor:
         return int(torch_codec.tile_counts(self.masks).sum())
 
     def fits(self) -> bool:
-        """Whether every tile's values were written: false when the buffer ran out. Synchronizes."""
-        end = self.base + self.stream_words()
-        return bool(end <= self.values.capacity)
+        """Whether every tile's values were written: false when the buffer ran out.
+
+        Synchronizes the first time it is asked of a tensor in a shared buffer; the answer
+        is kept.
+        """
+        if not self._fit:
+            self._fit.append(bool(self.base + self.stream_words() <= self.values.capacity))
+        return self._fit[0]
 
 
 def _check_tensor(x: object) -> torch.Tensor:
@@ -169,10 +220,6 @@ def compress(
     backend: str | None = None,
     geometry: TileGeometry | None = None,
     values: ValueBuffer | None = None,
-    fixed: torch.Tensor | None = None,
-    nonzeros: torch.Tensor | None = None,
-    report: torch.Tensor | None = None,
-    base: torch.Tensor | None = None,
 ) -> CompressedTensor:
     """Store ``x`` losslessly as a bitmask of its nonzero elements and their values.
 
@@ -187,24 +234,17 @@ def compress(
             raw instead, so the result is exact for any input.
         backend: ``"torch"``, ``"triton"`` or None (Triton on CUDA when installed, else torch).
         geometry: the tile geometry (default: runs of 4096 elements).
-        values: the buffer to append the value stream to, on ``x``'s device. By default a
-            buffer of the worst-case size is allocated for this tensor alone.
-        fixed: int32 words to hold the masks and tile words (``geometry.fixed_nbytes(numel) / 4``
-            of them, for instance from an arena); allocated when omitted.
-        nonzeros: an int64 ``[1]`` device counter the number of stored elements is added to.
-        report: an int64 ``[1]`` tensor, zero, that receives the value stream's end plus one
-            (the cursor after this tensor, so never zero) once the tensor is fully appended.
-            On CUDA it may be pinned host memory, which a host can poll without a CUDA call.
-        base: an int64 ``[1]`` device word that receives where the value stream starts (for
-            instance an arena's ``next_start``); it must stay untouched while the result
-            lives. Allocated when omitted.
+        values: a ``ValueBuffer`` on ``x``'s device to append the value stream to, shared by
+            many tensors to save memory. By default a private buffer of the worst-case size
+            (about dense) is allocated for this tensor alone.
 
     Returns:
-        A ``CompressedTensor``. With a shared ``values`` buffer that ran out of space, its
-        ``fits()`` is False and it must not be decompressed.
+        A ``CompressedTensor``. If a shared ``values`` buffer ran out of space, its
+        ``fits()`` is False and ``decompress`` refuses it.
 
     Raises:
-        TypeError: ``x`` is not a tensor, or its dtype is not supported.
+        TypeError: ``x`` is not a tensor, its dtype is not supported, or ``values`` is not a
+            ``ValueBuffer``.
         ValueError: ``x`` is sparse or too large, ``values`` is on another device, or the
             backend cannot run on ``x``'s device.
     """
@@ -213,38 +253,24 @@ def compress(
     geometry = geometry or TileGeometry()
     codec = get_codec(backend, x.device)
     numel = x.numel()
-    if values is None:
-        values = ValueBuffer(geometry.max_stream_words(numel, spec.bits), x.device)
-    elif values.device != x.device:
-        raise ValueError(f"values buffer is on {values.device} but the tensor is on {x.device}")
     if geometry.max_stream_words(numel, spec.bits) > MAX_TILE_OFFSET:
         raise ValueError("tensor too large for 31-bit tile offsets; split it")
-    fixed_words = geometry.fixed_nbytes(numel) // 4
-    if fixed is None:
-        fixed = torch.empty(fixed_words, dtype=torch.int32, device=x.device)
-    elif (
-        fixed.dtype != torch.int32
-        or fixed.shape != (fixed_words,)
-        or fixed.device != x.device
-        or not fixed.is_contiguous()
-    ):
-        raise ValueError(f"fixed must be {fixed_words} contiguous int32 words on {x.device}")
-    _check_word("nonzeros", nonzeros, x.device)
-    _check_word("report", report, x.device, host_too=True)
-    _check_word("base", base, x.device)
-    return compress_unchecked(x.contiguous(), codec, geometry, values, fixed, sign_pack, nonzeros, report, base)
+    fixed = torch.empty(geometry.fixed_nbytes(numel) // 4, dtype=torch.int32, device=x.device)
+    if values is None:
+        values = ValueBuffer(geometry.max_stream_words(numel, spec.bits), x.device)
+        c = compress_into(x.contiguous(), codec, geometry, values, fixed, sign_pack)
+        c._fit.append(True)
+        return c
+    if not isinstance(values, ValueBuffer):
+        raise TypeError(f"values must be a bitsparse.ValueBuffer, got {type(values).__name__}")
+    if values.device != x.device:
+        raise ValueError(f"values buffer is on {values.device} but the tensor is on {x.device}")
+    with values._lock:
+        values._order_after_last_append()
+        return compress_into(x.contiguous(), codec, geometry, values, fixed, sign_pack)
 
 
-def _check_word(name: str, t: torch.Tensor | None, device: torch.device, *, host_too: bool = False) -> None:
-    """Raise unless ``t`` is None or an int64 ``[1]`` tensor on ``device`` (or, with
-    ``host_too``, in host memory)."""
-    devices = (device, torch.device("cpu")) if host_too else (device,)
-    if t is not None and (t.dtype != torch.int64 or t.shape != (1,) or t.device not in devices):
-        where = f"on {device} or in pinned host memory" if host_too else f"on {device}"
-        raise ValueError(f"{name} must be an int64 tensor of shape (1,) {where}")
-
-
-def compress_unchecked(
+def compress_into(
     x: torch.Tensor,
     codec: Codec,
     geometry: TileGeometry,
@@ -255,33 +281,41 @@ def compress_unchecked(
     report: torch.Tensor | None = None,
     base: torch.Tensor | None = None,
 ) -> CompressedTensor:
-    """``compress`` without its checks, for callers that built valid arguments themselves.
+    """``compress`` for allocators, without its checks and with the append's protocol.
 
     ``x`` must be contiguous, of a supported dtype and at most ``MAX_NUMEL`` elements;
     ``codec`` one that runs on its device (``get_codec``); ``fixed`` exactly
     ``geometry.fixed_nbytes(x.numel()) / 4`` contiguous int32 words; every tensor on ``x``'s
-    device (``report`` may be pinned host memory). ``base``, an int64 ``[1]`` word that
-    receives where the value stream starts and must stay untouched while the result lives,
-    is allocated when omitted. The arena's caller stores tensors this way: argument checks
-    and allocations were a measurable share of the host time per tensor.
+    device (``report`` may be pinned host memory). The caller serializes appends to
+    ``values`` and keeps them in one stream order.
+
+    Args:
+        nonzeros: an int64 ``[1]`` device counter the number of stored elements is added to.
+        report: an int64 ``[1]`` tensor, zero, that receives the value stream's end plus one
+            (the cursor after this tensor, so never zero) once the tensor is fully appended;
+            on CUDA it may be pinned host memory, which a host can poll without a CUDA call.
+        base: an int64 ``[1]`` device word that receives where the value stream starts; it
+            must stay untouched while the result lives. Allocated when omitted.
     """
     if base is None:
         base = torch.empty(1, dtype=torch.int64, device=x.device)
     if x.numel():
-        spec = dtype_spec(x.dtype)
         stream, cursor, appends = values.words, values.cursor, values.appends
+        spec = dtype_spec(x.dtype)
         codec.encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros, report)
     else:
         base.copy_(values.cursor)
         if report is not None:
             report.copy_(values.cursor + 1, non_blocking=True)
-    return CompressedTensor(x.shape, x.dtype, sign_pack, geometry, fixed, values, base)
+    return CompressedTensor(x.shape, x.dtype, sign_pack, geometry, fixed, values, base, values.generation)
 
 
 def decompress(c: CompressedTensor, *, backend: str | None = None) -> torch.Tensor:
     """Restore the tensor ``c`` was made from: same shape, dtype and device, equal bit for bit.
 
-    The result is a new contiguous tensor. Never synchronizes with the host.
+    The result is a new contiguous tensor. It does not synchronize with the host, except
+    the first time a tensor of a shared ``ValueBuffer`` is decompressed (or asked ``fits()``):
+    that reads from the device whether its values fit.
 
     Args:
         c: a ``CompressedTensor`` from ``compress``.
@@ -289,23 +323,45 @@ def decompress(c: CompressedTensor, *, backend: str | None = None) -> torch.Tens
 
     Raises:
         TypeError: ``c`` is not a ``CompressedTensor``.
-        ValueError: the backend cannot run on ``c``'s device.
+        ValueError: the backend cannot run on ``c``'s device; ``c`` is inconsistent (its
+            fixed part does not match its shape); its values did not fit their buffer; or
+            the buffer was reset after ``c`` was made.
     """
     if not isinstance(c, CompressedTensor):
         raise TypeError(f"decompress expects a CompressedTensor, got {type(c).__name__}")
-    return decompress_unchecked(c, get_codec(backend, c.device))
+    codec = get_codec(backend, c.device)
+    dtype_spec(c.dtype)
+    fixed_words = c.geometry.fixed_nbytes(c.numel) // 4
+    if c.fixed.dtype != torch.int32 or c.fixed.shape != (fixed_words,) or c.values.device != c.device:
+        raise ValueError(
+            f"this CompressedTensor is inconsistent: a {tuple(c.shape)} tensor has {fixed_words} int32 words "
+            f"of masks and tile words on its values' device, it holds {tuple(c.fixed.shape)} {c.fixed.dtype} "
+            f"on {c.device}; decompress only what compress returned"
+        )
+    if c.generation != c.values.generation:
+        raise ValueError(
+            "the ValueBuffer this tensor was compressed into was reset since, so its values may have been "
+            "overwritten; compress it again after the reset"
+        )
+    if not c.fits():
+        raise ValueError(
+            f"this tensor's values did not fit its ValueBuffer ({c.values.capacity} words; the buffer's cursor "
+            f"is at {int(c.values.cursor)}), so they were not stored; compress it into a larger buffer"
+        )
+    return decompress_with(c, codec)
 
 
-def decompress_unchecked(c: CompressedTensor, codec: Codec, *, with_square: bool = False):
-    """``decompress`` with a codec the caller already chose (``get_codec``) for ``c``'s device.
+def decompress_with(c: CompressedTensor, codec: Codec, *, square: bool = False):
+    """``decompress`` with a codec the caller chose (``get_codec``) for ``c``'s device, and
+    without its checks: the caller knows that ``c`` fits.
 
-    With ``with_square`` (float16, bfloat16 and float32 only), returns ``(x, square)``: the
-    restored tensor and its elementwise square, made in the same pass and computed as
-    ``torch.square`` computes it (float32 arithmetic rounded to nearest even). A caller that
-    needs the square bit-identical to ``torch.square``'s checks it once per dtype and device:
-    an implementation may round differently (Triton's interpreter truncates to bfloat16).
+    With ``square`` (float16, bfloat16 and float32 only), returns ``(x, x_squared)``: the
+    restored tensor and its elementwise square, written in the same pass. The square is
+    computed in float32 and rounded to nearest even; whether that is bit-identical to a
+    given PyTorch op is the caller's to check (NaN payloads, for instance, depend on the op
+    and the device).
     """
     out = torch.empty(c.shape, dtype=c.dtype, device=c.fixed.device)
-    square = torch.empty_like(out) if with_square else None
-    codec.decode(c.fixed, c.values.words, c.base, out, dtype_spec(c.dtype), c.geometry, c.sign_pack, square)
-    return (out, square) if with_square else out
+    x_squared = torch.empty_like(out) if square else None
+    codec.decode(c.fixed, c.values.words, c.base, out, dtype_spec(c.dtype), c.geometry, c.sign_pack, x_squared)
+    return (out, x_squared) if square else out

@@ -9,42 +9,26 @@ arena is reused as soon as the step's graph is freed.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 
 import torch
 
-from bitsparse.hooks.manager import Options, Session, Stats
+from bitsparse.hooks.manager import Session
+from bitsparse.hooks.options import DEFAULT_MIN_NUMEL, Options
+from bitsparse.hooks.stats import Stats
 
 _session = Session()
 _local = threading.local()
 
 
-class _Installation:
-    """The hooks for one set of options; counts the thread's open installations."""
-
-    def __init__(self, options: Options):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(
-            functools.partial(_session.pack, options), _session.unpack
-        )
-
-    def __enter__(self):
-        _session.begin_step_if_idle()
-        _local.depth = getattr(_local, "depth", 0) + 1
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-        _session.poll()
-        _local.depth -= 1
-        return False
+def _depth() -> int:
+    """``compressing()`` blocks and ``enable()`` in effect in this thread."""
+    return getattr(_local, "depth", 0)
 
 
-@contextlib.contextmanager
-def compressing(**options):
-    """Store the activations saved for backward inside this block compressed.
+class compressing(torch.autograd.graph.saved_tensors_hooks):
+    """Context manager under which the activations saved for backward are stored compressed.
 
     Saved tensors that ReLU-family ops produced (relu, relu6, threshold/clamp/hardtanh with
     a nonnegative lower bound, in place or not, and squares of these), or that ``mark``
@@ -52,59 +36,145 @@ def compressing(**options):
     restored bit for bit when backward needs them. Everything else is kept as it is.
     Gradients are identical to a run without ``compressing()``.
 
+    The arena follows demand: the first step only measures what it would store (every
+    candidate is kept dense, so that step peaks no higher than without BitSparse), and from
+    the next step on the arena has room for what the last step needed plus 15%.
+
     Example::
 
-        with bitsparse.compressing():
-            loss = model(batch)      # ReLU outputs saved for backward are compressed here
-        loss.backward()              # and decoded here; the arena is then free for the next step
+        >>> with bitsparse.compressing():
+        ...     h = torch.relu(fc1(x))    # saved for relu's and fc2's backward: compressed
+        ...     y = fc2(h)                # x and fc2.weight are saved as they are
+        >>> y.sum().backward()            # h is decoded here, bit for bit
+        >>> print(bitsparse.stats())      # what the step stored
 
-    Args:
-        **options: see ``bitsparse.Options`` (capacity, sign_pack, min_numel, select,
-            backend, window, recompute_squares).
+    Args (keyword only; see ``bitsparse.Options`` for each one's semantics):
+        capacity: "auto" (default), bytes (int >= 4096) or a fraction of free memory.
+        sign_pack: drop the sign bit of ReLU-family values (15-bit bfloat16).
+        min_numel: smaller tensors are kept as they are.
+        select: "relu" (default) or "all".
+        backend: "torch", "triton" or None (Triton on CUDA).
+        window: most compressed tensors the host has not yet seen fit.
+        recompute_squares: restore the square of a stored ReLU output from it.
 
     Raises:
-        TypeError: an unknown option. ValueError: an option out of range.
+        TypeError, ValueError: an option of the wrong type or value, or a backend that cannot
+            run here (raised when the block is created, before the forward runs).
 
     Notes:
         Hooks are thread-local and the innermost pair wins: inside a non-reentrant
         ``torch.utils.checkpoint`` region, checkpointing's own hooks apply, so only the
-        region's inputs reach BitSparse.
+        region's inputs reach BitSparse. ``torch.func`` transforms that differentiate
+        (``grad``, ``vjp``, ``jacrev``, ``hessian``) refuse to run while any saved-tensor
+        hooks are installed: call them outside the block (or after ``disable()``).
     """
-    with _Installation(Options.from_kwargs(options)):
-        yield
+
+    def __init__(
+        self,
+        *,
+        capacity: int | float | str = "auto",
+        sign_pack: bool = False,
+        min_numel: int = DEFAULT_MIN_NUMEL,
+        select: str = "relu",
+        backend: str | None = None,
+        window: int = 1,
+        recompute_squares: bool = True,
+    ):
+        self.options = Options(
+            capacity=capacity,
+            sign_pack=sign_pack,
+            min_numel=min_numel,
+            select=select,
+            backend=backend,
+            window=window,
+            recompute_squares=recompute_squares,
+        )
+        super().__init__(functools.partial(_session.pack, self.options), _session.unpack)
+
+    def __enter__(self) -> "compressing":
+        _session.begin_step()
+        super().__enter__()
+        _local.depth = _depth() + 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _local.depth -= 1
+        super().__exit__(*exc)
+        _session.poll()
 
 
-def enable(**options) -> None:
+def enable(
+    *,
+    capacity: int | float | str = "auto",
+    sign_pack: bool = False,
+    min_numel: int = DEFAULT_MIN_NUMEL,
+    select: str = "relu",
+    backend: str | None = None,
+    window: int = 1,
+    recompute_squares: bool = True,
+) -> None:
     """Compress saved activations in the calling thread from now on, until ``disable()``.
 
-    Takes the same options as ``compressing()``. Calling it again replaces the options
-    instead of stacking. A ``compressing()`` block inside takes precedence while it runs.
+    Takes the same keyword arguments as ``compressing()``. Calling it again replaces the
+    options instead of stacking. A ``compressing()`` block inside takes precedence while it
+    runs. Steps are told apart by backward: a step begins at the first tensor saved after a
+    backward.
 
     Raises:
         TypeError, ValueError: as for ``compressing()``.
-        RuntimeError: called while a ``compressing()`` block is open (close it first).
+        RuntimeError: called inside a ``compressing()`` block or inside another
+            ``saved_tensors_hooks`` block (autograd removes hook pairs last in, first out, so
+            that block's exit would remove BitSparse's hooks instead of its own): call it
+            outside.
     """
-    installation = _Installation(Options.from_kwargs(options))
+    hooks = compressing(
+        capacity=capacity,
+        sign_pack=sign_pack,
+        min_numel=min_numel,
+        select=select,
+        backend=backend,
+        window=window,
+        recompute_squares=recompute_squares,
+    )
+    _check_innermost("enable", "before")
     disable()
-    if getattr(_local, "depth", 0):
-        raise RuntimeError("enable() cannot be called inside compressing(); call it before")
-    installation.__enter__()
-    _local.enabled = installation
+    hooks.__enter__()
+    _local.enabled = hooks
 
 
 def disable() -> None:
     """Undo ``enable()`` in the calling thread; does nothing when not enabled.
 
     Raises:
-        RuntimeError: called while a ``compressing()`` block is open.
+        RuntimeError: called inside a ``compressing()`` block, or inside a
+            ``saved_tensors_hooks`` block opened after ``enable()``: leave it first.
     """
-    installation = getattr(_local, "enabled", None)
-    if installation is None:
+    hooks = getattr(_local, "enabled", None)
+    if hooks is None:
         return
-    if _local.depth != 1:
-        raise RuntimeError("disable() cannot be called inside compressing(); call it after")
-    installation.__exit__(None, None, None)
+    _check_innermost("disable", "after")
+    hooks.__exit__(None, None, None)
     _local.enabled = None
+
+
+def _check_innermost(caller: str, when: str) -> None:
+    """Raise unless the thread's innermost saved-tensor hooks are ``enable()``'s or none."""
+    top = _innermost_hooks()
+    enabled = getattr(_local, "enabled", None)
+    if top is None or (enabled is not None and top[0] is enabled.pack_hook):
+        return
+    if _depth() > (enabled is not None):
+        raise RuntimeError(f"{caller}() cannot be called inside compressing(); call it {when} the block")
+    raise RuntimeError(
+        f"{caller}() was called inside a saved_tensors_hooks block opened outside BitSparse: autograd removes "
+        "hook pairs last in, first out, so that block's exit would remove BitSparse's hooks instead of its "
+        f"own. Call {caller}() {when} that block, or use `with bitsparse.compressing():` inside it."
+    )
+
+
+def _innermost_hooks():
+    """The thread's innermost saved-tensor hook pair, or None (a private PyTorch API)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 def is_enabled() -> bool:
@@ -134,3 +204,18 @@ def mark(t: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"mark expects a torch.Tensor, got {type(t).__name__}")
     _session.marks.mark(t)
     return t
+
+
+def reset() -> None:
+    """Forget everything BitSparse holds and learned: the arenas (their memory is released),
+    the statistics (steps count from 1 again), which save sites do not pay, the exactness
+    checks and the marks. For tests, or to start a different workload afresh.
+
+    Raises:
+        RuntimeError: BitSparse's hooks are installed in this thread (leave ``compressing()``,
+            call ``disable()``), or compressed tensors are alive (run backward, or drop the
+            graphs that hold them).
+    """
+    if _depth():
+        raise RuntimeError("reset() cannot be called while BitSparse is enabled or inside compressing()")
+    _session.reset()

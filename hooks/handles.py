@@ -18,8 +18,7 @@ from typing import Callable
 import torch
 
 from bitsparse.codecs import Codec
-from bitsparse.compressed import CompressedTensor, decompress_unchecked
-from bitsparse.format import dtype_spec
+from bitsparse.compressed import CompressedTensor, decompress_with
 
 
 def check_version(t: torch.Tensor, version: int) -> None:
@@ -38,10 +37,13 @@ class Handle:
     """Base: slot counting, the per-backward cache of the restored tensor, and the version
     check of the saved tensor it stands for."""
 
-    __slots__ = ("slots", "_unpacked", "_cache", "_saved", "_saved_version", "__weakref__")
+    __slots__ = ("slots", "start", "_unpacked", "_cache", "_saved", "_saved_version", "__weakref__")
 
-    def __init__(self):
+    def __init__(self, start: int = 0):
         self.slots = 0
+        self.start = start
+        """The storage offset of the tensor this handle restores: a view of the saved
+        storage at offset ``o`` is the restored tensor's elements from ``o - start``."""
         self._unpacked = 0
         self._cache: torch.Tensor | None = None
         self._saved: weakref.ref | None = None
@@ -85,13 +87,14 @@ class Handle:
 
 
 class StoredTensor(Handle):
-    """A tensor compressed into an arena.
+    """A tensor compressed into an arena, or kept dense where it could not be.
 
     Until the arena confirms that the values fit, ``dense`` keeps the original tensor's
     storage and geometry (and serves unpacks); if they did not fit, it keeps them for good (a
-    fallback). ``compressed`` is None when the arena had no room even for the masks. The
-    tensor is compressed in its memory order (``order``), so the restored tensor has the
-    original strides.
+    fallback). ``compressed`` is None when the tensor was only measured (no room even for its
+    masks). The tensor is compressed in its memory order (``order``), so the restored tensor
+    has the original strides. ``lease`` is the arena's claim on the stored words (None when
+    kept dense); it is released when the handle is.
     """
 
     __slots__ = ("compressed", "dense", "codec", "lease", "order")
@@ -104,7 +107,7 @@ class StoredTensor(Handle):
         lease,
         order: tuple[int, ...] | None,
     ):
-        super().__init__()
+        super().__init__(dense.storage_offset())
         self.compressed = compressed
         # The storage, not the tensor: a saved tensor's grad_fn may be the node that saves
         # it, and holding it would make a reference cycle through autograd (detaching a view
@@ -124,34 +127,29 @@ class StoredTensor(Handle):
         if fits:
             self.dense = None
 
+    @property
+    def is_compressed(self) -> bool:
+        """Whether the tensor is held compressed (it fit), not dense."""
+        return self.dense is None
+
     def _restore(self) -> torch.Tensor:
         if self.dense is not None:
             storage, offset, shape, stride, dtype = self.dense
             return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
-        return self._in_original_order(decompress_unchecked(self.compressed, self.codec))
+        return self._in_original_order(decompress_with(self.compressed, self.codec))
 
-    def squared(self) -> torch.Tensor:
-        """The elementwise square of the restored tensor, as ``torch.square`` computes it.
+    def squared(self, square: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The elementwise square of the restored tensor, as ``square`` computes it, which
+        the decoder's fused square was checked to match (``ExactnessChecks.fused_square``).
 
         When this backward has not restored the tensor yet, it is decoded together with its
         square in one pass and kept for this handle's own slots, as ``tensor()`` would.
-        The first square decoded this way for each dtype and device type is compared with
-        ``torch.square`` (one synchronization); if they differ, ``torch.square`` is used
-        for that dtype and device type from then on.
         """
         if self._cache is not None or self.dense is not None:
-            return torch.square(self.tensor())
-        key = (self.compressed.dtype, self.compressed.device.type)
-        if key[0] not in FUSED_SQUARE_DTYPES or _fused_square_exact.get(key) is False:
-            return torch.square(self.tensor())
-        value, square = decompress_unchecked(self.compressed, self.codec, with_square=True)
-        if key not in _fused_square_exact:
-            bits = dtype_spec(value.dtype).bits_dtype
-            _fused_square_exact[key] = torch.equal(torch.square(value).view(bits), square.view(bits))
-            if not _fused_square_exact[key]:
-                square = torch.square(value)
+            return square(self.tensor())
+        value, squared = decompress_with(self.compressed, self.codec, square=True)
         self._cache = self._in_original_order(value)
-        return self._in_original_order(square)
+        return self._in_original_order(squared)
 
     def _in_original_order(self, restored: torch.Tensor) -> torch.Tensor:
         """``restored`` (in memory order) with the original tensor's dims and strides."""
@@ -159,15 +157,6 @@ class StoredTensor(Handle):
             return restored
         inverse = sorted(range(len(self.order)), key=self.order.__getitem__)
         return restored.permute(inverse)
-
-    def __del__(self):
-        self.lease.release()
-
-
-FUSED_SQUARE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-"""Dtypes whose square the codecs can write while decoding."""
-_fused_square_exact: dict[tuple[torch.dtype, str], bool] = {}
-"""Whether the codec's fused square matched ``torch.square``, by dtype and device type."""
 
 
 class SquareOf(Handle):
@@ -177,18 +166,18 @@ class SquareOf(Handle):
     ``size``, ``stride`` and ``offset`` place the square's saved view in the new tensor.
     """
 
-    __slots__ = ("offset", "size", "source", "stride")
+    __slots__ = ("offset", "size", "source", "square", "stride")
 
-    def __init__(self, source: StoredTensor, like: torch.Tensor):
+    def __init__(self, source: StoredTensor, square: Callable[[torch.Tensor], torch.Tensor], like: torch.Tensor):
         super().__init__()
-        self.source = source
+        self.source, self.square = source, square
         self.size, self.stride, self.offset = like.shape, like.stride(), like.storage_offset()
 
     def _restore(self) -> torch.Tensor:
-        square = self.source.squared()
-        if (square.shape, square.stride(), self.offset) == (self.size, self.stride, 0):
-            return square
-        return square.as_strided(self.size, self.stride, self.offset)
+        squared = self.source.squared(self.square)
+        if (squared.shape, squared.stride(), self.offset) == (self.size, self.stride, 0):
+            return squared
+        return squared.as_strided(self.size, self.stride, self.offset)
 
 
 class ViewOf(Handle):
@@ -209,22 +198,19 @@ class ViewOf(Handle):
 
 
 class Recomputed(Handle):
-    """A tensor recomputed at unpack from another handle's tensor (the square of a ReLU)."""
+    """A tensor recomputed at unpack from another handle's tensor (the square of a ReLU),
+    with the op that computed it in the forward, so with the same bits.
+
+    ``like`` is the saved view of the op's result: its geometry in that new tensor.
+    """
 
     __slots__ = ("source", "op", "size", "stride", "offset")
 
-    def __init__(
-        self,
-        source: Handle,
-        op: Callable[[torch.Tensor], torch.Tensor],
-        like: torch.Tensor,
-        result_offset: int,
-    ):
+    def __init__(self, source: Handle, op: Callable[[torch.Tensor], torch.Tensor], like: torch.Tensor):
         super().__init__()
         self.source = source
         self.op = op
-        self.size, self.stride = like.shape, like.stride()
-        self.offset = like.storage_offset() - result_offset
+        self.size, self.stride, self.offset = like.shape, like.stride(), like.storage_offset()
 
     def _restore(self) -> torch.Tensor:
         # Not self.source.tensor(): that would keep the source's view cached for as long as

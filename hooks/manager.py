@@ -1,175 +1,37 @@
 """The pack and unpack hooks: which saved tensors to compress, and where they go.
 
 ``Session`` holds what outlives one forward pass: an arena per device, the marked tensors,
-the tables of stored tensors (to store each once, and to find a square's source) and the
-statistics of the step.
-A step begins at the first pack after every handle of the previous step was released.
-The hooks only call the public codec API; they know nothing of the kernels' insides.
+the tables of stored tensors (to store each once, and to find a square's source), what was
+learned about save sites and the statistics of the step. A step begins at the first pack
+after a backward (any unpack), or after every compressed tensor of the last step was
+released; the arenas are emptied then, if nothing they hold is still alive.
+The hooks only call the codec API; they know nothing of the kernels' insides.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+import warnings
 import weakref
-from collections import Counter
-from dataclasses import dataclass, field, fields
 
 import psutil
 import torch
 
 from bitsparse.allocator import Arena
 from bitsparse.codecs import get_codec
-from bitsparse.compressed import MAX_NUMEL, compress_unchecked
-from bitsparse.format import SUPPORTED_DTYPES, TileGeometry
+from bitsparse.compressed import MAX_NUMEL, compress_into
+from bitsparse.format import SUPPORTED_DTYPES, TileGeometry, dtype_spec
+from bitsparse.hooks.exactness import ExactnessChecks
 from bitsparse.hooks.handles import Handle, Recomputed, SquareOf, StoredTensor, ViewOf, check_version
-from bitsparse.hooks.provenance import Marks, Provenance, classify_node, node_key, span_end, squared_input
+from bitsparse.hooks.options import Options
+from bitsparse.hooks.provenance import Marks, Provenance, classify_node, node_key, squared_input
+from bitsparse.hooks.spans import SpanIndex
+from bitsparse.hooks.stats import Stats, StepCollector
 
-SELECTIONS = ("relu", "all")
-CPU_AUTO_CAPACITY = 64 << 20
-CUDA_AUTO_FRACTION = 0.125
-PROFITABLE_RATIO = 1.1
-"""With ``select="all"``, a save site whose tensors shrink less than this is skipped."""
-
-
-@dataclass(frozen=True)
-class Options:
-    """How saved tensors are stored; the keyword arguments of ``compressing``/``enable``.
-
-    Attributes:
-        capacity: the arena's initial size per device: bytes (int), a fraction of the
-            device's free memory (float in (0, 1]; available RAM on the CPU), or "auto" (1/8
-            of free CUDA memory, 64 MiB on the CPU). The arena then grows or shrinks between
-            steps to fit what the last step needed.
-        sign_pack: drop the sign bit of ReLU-family values (never lossy: see ``compress``).
-        min_numel: tensors with fewer elements are kept as they are.
-        select: "relu" compresses tensors that ReLU-family ops produced (and their squares),
-            read from ``grad_fn``, and tries those whose op autograd hides (in-place ops on
-            views, threshold) while their save site pays; "all" tries every floating tensor
-            and stops trying save sites that do not pay.
-        backend: codec backend, as for ``compress`` (None: Triton on CUDA, torch elsewhere).
-        window: most compressed tensors whose fit the host has not confirmed yet. Each one
-            keeps its dense tensor until confirmed, so a GPU-bound step, where the host runs
-            ahead, holds ``window`` dense tensors at its peak; a larger window only helps a
-            host that runs ahead in bursts.
-        recompute_squares: restore ``relu(x) ** 2`` from the stored ``relu(x)`` rather than
-            storing it too, where that is verified bit-identical for the dtype and device.
-    """
-
-    capacity: int | float | str = "auto"
-    sign_pack: bool = False
-    min_numel: int = 1 << 16
-    select: str = "relu"
-    backend: str | None = None
-    window: int = 1
-    recompute_squares: bool = True
-
-    def __post_init__(self):
-        c = self.capacity
-        if isinstance(c, bool) or not (
-            c == "auto" or (isinstance(c, int) and c > 0) or (isinstance(c, float) and 0 < c <= 1)
-        ):
-            raise ValueError(
-                f"capacity must be a number of bytes (int > 0), a fraction of free memory "
-                f"(float in (0, 1]) or 'auto'; got {c!r}"
-            )
-        if self.select not in SELECTIONS:
-            raise ValueError(f"select must be one of {SELECTIONS}, got {self.select!r}")
-        if not isinstance(self.min_numel, int) or self.min_numel < 0:
-            raise ValueError(f"min_numel must be an int >= 0, got {self.min_numel!r}")
-        if self.backend not in (None, "torch", "triton"):
-            raise ValueError(f"backend must be None, 'torch' or 'triton', got {self.backend!r}")
-        if not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window must be an int >= 1, got {self.window!r}")
-
-    @classmethod
-    def from_kwargs(cls, kwargs: dict) -> "Options":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(f"unknown option(s) {unknown}; the options are {sorted(known)}")
-        return cls(**kwargs)
-
-
-@dataclass
-class Stats:
-    """Accounting for one step: the one in progress, or the last finished one.
-
-    Sizes are in bytes. ``dense_bytes`` is what the compressed tensors took dense and
-    ``stored_bytes`` what they take now (masks, tile words and values; a fallback counts
-    dense). ``ratio = dense_bytes / stored_bytes``. ``zero_fraction`` is over the compressed
-    tensors. Deduplicated and recomputed saves cost nothing and are counted apart.
-    ``tensors_skipped`` counts saved tensors kept as they are, by the first reason that
-    applies: ``small`` (fewer than ``min_numel`` elements), ``parameter`` (a parameter or a
-    view of one), ``not_relu_family`` (``select="relu"`` and neither a ReLU-family producer
-    nor a mark), ``dtype``, ``layout_or_device``, ``large`` (more elements than one
-    ``compress`` call takes), ``unprofitable_site`` and ``overlapping_or_gapped`` (no
-    permutation of the dims makes it contiguous).
-    ``fallbacks`` counts tensors kept dense by reason: ``arena_full`` (no room left) and
-    ``other_stream`` (saved on another CUDA stream than the step's first stored tensor).
-    """
-
-    step: int = 0
-    tensors_seen: int = 0
-    tensors_compressed: int = 0
-    tensors_deduplicated: int = 0
-    tensors_recomputed: int = 0
-    tensors_skipped: dict[str, int] = field(default_factory=dict)
-    fallbacks: dict[str, int] = field(default_factory=dict)
-    dense_bytes: int = 0
-    stored_bytes: int = 0
-    zero_fraction: float = 0.0
-    arena_capacity: int = 0
-    arena_peak: int = 0
-    window_waits: int = 0
-
-    @property
-    def ratio(self) -> float:
-        return self.dense_bytes / self.stored_bytes if self.stored_bytes else 1.0
-
-    def as_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["ratio"] = self.ratio
-        return d
-
-    def __str__(self) -> str:
-        mib = 1 << 20
-        skipped = ", ".join(f"{k} {v}" for k, v in sorted(self.tensors_skipped.items())) or "none"
-        fallbacks = ", ".join(f"{k} {v}" for k, v in sorted(self.fallbacks.items())) or "none"
-        return (
-            f"step {self.step}: {self.tensors_compressed}/{self.tensors_seen} saved tensors compressed "
-            f"(+{self.tensors_deduplicated} shared, {self.tensors_recomputed} recomputed), "
-            f"{self.dense_bytes / mib:.1f} MiB -> {self.stored_bytes / mib:.1f} MiB "
-            f"({self.ratio:.2f}x, {100 * self.zero_fraction:.1f}% zeros), "
-            f"arena {self.arena_peak / mib:.1f}/{self.arena_capacity / mib:.1f} MiB; "
-            f"skipped: {skipped}; fallbacks: {fallbacks}"
-        )
-
-
-class _StepCollector:
-    """Counters of one step, filled in by packs and by the arenas' asynchronous reports."""
-
-    def __init__(self, step: int):
-        self.stats = Stats(step=step)
-        self.skipped: Counter = Counter()
-        self.fallbacks: Counter = Counter()
-        self.numel = 0
-        self.nonzeros: dict[torch.device, torch.Tensor] = {}
-        self.arenas: set = set()
-
-    def finish(self) -> Stats:
-        """The step's statistics; synchronizes once to read the device counters."""
-        for arena in self.arenas:
-            arena.drain()
-        s = self.stats
-        s.tensors_skipped, s.fallbacks = dict(self.skipped), dict(self.fallbacks)
-        nonzeros = sum(int(n) for n in self.nonzeros.values())
-        s.zero_fraction = 1 - nonzeros / self.numel if self.numel else 0.0
-        usages = [arena.usage() for arena in self.arenas]
-        s.arena_capacity = sum(u.capacity for u in usages)
-        s.arena_peak = sum(u.peak for u in usages)
-        s.window_waits = sum(u.window_waits for u in usages)
-        return s
+PROFITABLE_RATIO = 1.25
+"""A save site whose tensors shrink less than this (dense / stored) is kept dense: the
+arena's headroom (15% of what it stores) would eat most of the saving."""
 
 
 def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
@@ -182,25 +44,38 @@ def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
 
 
 class Session:
-    """Process-wide state behind ``compressing()`` and ``enable()``."""
+    """Process-wide state behind ``compressing()`` and ``enable()``.
+
+    Thread safety: the hooks of every thread share one session; its tables are guarded by
+    one lock, and unpack may run in autograd's threads.
+    """
 
     def __init__(self):
         self.marks = Marks()
         self._lock = threading.RLock()
-        self._arenas: dict[torch.device, tuple[Arena, tuple]] = {}
+        self._arenas: dict[torch.device, Arena] = {}
+        self._capacities: dict[torch.device, object] = {}
+        """The ``capacity`` option each arena was last sized for."""
         self._geometry = TileGeometry()
         self._live = 0
-        self._step = 0
-        self._collector = _StepCollector(0)
-        self._stored: dict[tuple[int, int], list] = {}
-        # node_key(grad_fn, output_nr) -> (handle ref, start, shape, stride, offset): see
+        """Compressed tensors autograd holds (their arena leases), of any step."""
+        self._step = 1
+        self._collector = StepCollector(1)
+        self._backward_seen = False
+        self._stale_arenas = False
+        """Whether an arena could not be emptied at this step's start (tensors of an
+        earlier step are alive), so tensors may fall back that would otherwise fit."""
+        self._warned_stale = False
+        self._stored = SpanIndex()
+        """The step's stored tensors by span, to store a storage saved again only once."""
+        # node_key(grad_fn, output_nr) -> (handle ref, shape, stride, offset, dtype): see
         # _note_source.
         self._sources: dict[tuple, tuple] = {}
         # id(saved tensor) -> slot ref: the tensors packed this step (the slot watches the
         # tensor it was made for, see Handle.watch).
         self._packed: dict[int, weakref.ref] = {}
         self._unprofitable: set = set()
-        self._recompute_verified: dict[tuple, bool] = {}
+        self._exact = ExactnessChecks()
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -210,7 +85,7 @@ class Session:
         # (the screen reads only the tensor, the options and the marks, so needs no lock).
         reason, provenance = self._screen(t, options)
         with self._lock:
-            if self._live == 0 and self._collector.arenas:
+            if self._step_over():
                 self._begin_step()
             collector = self._collector
             stats = collector.stats
@@ -224,8 +99,7 @@ class Session:
                     stats.tensors_deduplicated += 1
                     slot.slots += 1
                     return slot
-                # Tensors not proven ReLU-family are compressed only while their site pays.
-                if provenance is not Provenance.RELU and (site := self._site(t)) in self._unprofitable:
+                if (site := self._site(t)) in self._unprofitable:
                     reason = "unprofitable_site"
                 else:
                     # Compressed in memory order, the tensor is restored with its own strides
@@ -245,7 +119,7 @@ class Session:
                 return t.detach(), t._version
             # Confirmed tensors release their dense copy here, during the forward.
             self._poll()
-            found = self._find_stored(t)
+            found = self._stored.find(t)
             if found is not None:
                 stats.tensors_deduplicated += 1
             elif options.recompute_squares:
@@ -253,23 +127,18 @@ class Session:
                 if found is not None:
                     stats.tensors_recomputed += 1
             if found is None:
-                handle = self._store(
-                    t,
-                    order,
-                    options,
-                    sign_pack=options.sign_pack and provenance is not None,
-                    site=site,
-                )
-                handle.slots += 1  # it restores t itself, whatever t's strides
-                found, slot = (handle, t.storage_offset()), handle
+                sign_pack = options.sign_pack and provenance is not None
+                found = slot = self._store(t, order, options, sign_pack, site)
+                slot.slots += 1  # it restores t itself, whatever t's strides
             else:
-                slot = self._slot(*found, t)
-            self._note_source(t, *found)
+                slot = self._slot(found, t)
+            self._note_source(t, found)
             slot.watch(t)
             self._packed[id(t)] = weakref.ref(slot)
             return slot
 
     def unpack(self, packed) -> torch.Tensor:
+        self._backward_seen = True
         if not isinstance(packed, Handle):  # a tensor kept as it is, and its version
             kept, version = packed
             check_version(kept, version)
@@ -309,141 +178,140 @@ class Session:
     def _site(t: torch.Tensor) -> tuple:
         """Where in the model ``t`` comes from; all views of one tensor share their site."""
         base = t._base if t._base is not None else t
-        return (type(base.grad_fn).__name__, tuple(base.shape), t.dtype)
+        return (type(base.grad_fn).__name__, tuple(base.shape), t.dtype, t.device)
 
     # -- storing ----------------------------------------------------------------------------
 
     def _arena(self, device: torch.device, options: Options) -> Arena:
-        """The device's arena; a new one when the options ask for another capacity or window
-        (only between steps, when nothing in the old one is alive)."""
-        configured = (options.capacity, options.window)
-        arena, arena_configured = self._arenas.get(device, (None, None))
-        if arena is None or (configured != arena_configured and self._live == 0):
-            arena = Arena(device, _initial_capacity(device, options.capacity), window=options.window)
-            self._arenas[device] = (arena, configured)
+        """The device's arena, resized when the options ask for another capacity (only
+        while nothing it holds is alive) and set to their window."""
+        arena = self._arenas.get(device)
+        if arena is None:
+            arena = self._arenas[device] = Arena(device, window=options.window)
+        if not arena.leased:
+            arena.window = options.window
+            if self._capacities.get(device) != options.capacity:
+                self._capacities[device] = options.capacity
+                if options.capacity != "auto":
+                    arena.resize(_capacity_bytes(device, options.capacity))
         return arena
 
-    def _store(self, t: torch.Tensor, order, options: Options, sign_pack: bool, site) -> StoredTensor:
+    def _store(self, t: torch.Tensor, order, options: Options, sign_pack: bool, site: tuple) -> StoredTensor:
         """Compress ``t`` (permuted to ``order``, see ``memory_order``) into the device's
-        arena, or keep it dense when the arena is full. If ``site`` is given and the tensor
-        does not pay, the site is skipped from then on.
+        arena. Where the arena has no room, ``t`` is kept dense and only measured, for the
+        arena to grow for the next step; on another stream than the step's, it is kept.
 
-        Either way the handle holds a lease, so the step lasts as long as autograd holds it.
+        A stored tensor's handle holds a lease on the arena until autograd releases it.
         """
-        collector = self._collector
+        collector, stats = self._collector, self._collector.stats
         arena = self._arena(t.device, options)
-        lease = _StepLease(self, arena.open_lease())
         collector.arenas.add(arena)
-        fixed = None
-        if arena.on_append_stream():
-            fixed = arena.reserve_fixed(self._geometry.fixed_nbytes(t.numel()) // 4)
-            refusal = "arena_full"
-        else:
-            refusal = "other_stream"
-        if fixed is None:
-            collector.fallbacks[refusal] += 1
-            collector.stats.dense_bytes += t.numel() * t.element_size()
-            collector.stats.stored_bytes += t.numel() * t.element_size()
-            handle = StoredTensor(None, t, None, lease, None)
-            handle.confirm(False)
-            return handle
-        nonzeros = collector.nonzeros.get(arena.device)
-        if nonzeros is None:
-            nonzeros = collector.nonzeros[arena.device] = torch.zeros(1, dtype=torch.int64, device=arena.device)
+        dense_bytes = t.numel() * t.element_size()
+        if not arena.on_append_stream():
+            return self._kept_dense(t, "other_stream")
+        x = t.permute(order) if order else t
+        spec = dtype_spec(t.dtype)
         codec = get_codec(options.backend, arena.device)
-        compressed = compress_unchecked(
-            t.permute(order) if order else t,
+        fixed_words = self._geometry.fixed_nbytes(t.numel()) // 4
+        fixed = arena.reserve_fixed(fixed_words)
+        slot, report = arena.next_report(throttled=fixed is not None)
+        if fixed is None:
+            codec.measure(x, arena.cursor, arena.appends, spec, self._geometry, sign_pack, report)
+            arena.submit(slot, _measured(collector, site, arena, fixed_words, dense_bytes), throttled=False)
+            return self._kept_dense(t, "arena_full")
+        compressed = compress_into(
+            x,
             codec,
             self._geometry,
             arena.values,
             fixed,
             sign_pack,
-            nonzeros,
-            arena.next_report(),
+            collector.nonzeros_counter(arena.device),
+            report,
             arena.next_start(),
         )
-        handle = StoredTensor(compressed, t, codec, lease, order)
-        stats = collector.stats
+        handle = StoredTensor(compressed, t, codec, _Lease(self, arena), order)
+        collector.leased = True
         stats.tensors_compressed += 1
-        stats.dense_bytes += compressed.dense_nbytes
+        stats.dense_bytes += dense_bytes
         collector.numel += t.numel()
-        arena.submit(
-            _confirmation(
-                weakref.ref(handle),
-                collector,
-                capacity=arena.values.capacity,
-                fixed_bytes=fixed.numel() * 4,
-                dense_bytes=compressed.dense_nbytes,
-                site=site,
-                unprofitable=self._unprofitable,
-            )
-        )
+        confirm = _confirmation(weakref.ref(handle), self, collector, site, arena, fixed_words, dense_bytes)
+        arena.submit(slot, confirm)
         if t.is_contiguous():
-            self._remember(t, handle)
+            self._stored.add(t, handle)
         return handle
 
-    def _remember(self, t: torch.Tensor, handle: Handle) -> None:
-        """Note that ``handle`` restores ``t``'s span, valid while ``t``'s storage lives."""
-        storage = t.untyped_storage()
-        self._stored.setdefault((storage.data_ptr(), t._version), []).append(
-            (t.storage_offset(), span_end(t), t.dtype, weakref.ref(handle), weakref.ref(storage))
-        )
+    def _kept_dense(self, t: torch.Tensor, reason: str) -> StoredTensor:
+        """A handle keeping ``t`` as it is, a fallback for ``reason``."""
+        collector = self._collector
+        collector.fallbacks[reason] += 1
+        collector.stats.dense_bytes += t.numel() * t.element_size()
+        collector.stats.stored_bytes += t.numel() * t.element_size()
+        if reason == "arena_full":
+            self._warn_if_stale()
+        handle = StoredTensor(None, t, None, None, None)
+        if t.is_contiguous():
+            self._stored.add(t, handle)
+        return handle
 
-    def _find_stored(self, t: torch.Tensor) -> tuple[Handle, int] | None:
-        """A handle already restoring ``t``'s elements (the same storage saved again)."""
-        offset, end = t.storage_offset(), span_end(t)
-        storage_address = t.data_ptr() - offset * t.element_size()  # without making a storage object
-        for start, stop, dtype, handle_ref, storage_ref in self._stored.get((storage_address, t._version), ()):
-            handle = handle_ref()
-            alive = storage_ref() is not None and handle is not None
-            if alive and dtype == t.dtype and start <= offset and end <= stop:
-                return handle, start
-        return None
+    def _warn_if_stale(self) -> None:
+        if self._stale_arenas and not self._warned_stale:
+            self._warned_stale = True
+            warnings.warn(
+                f"BitSparse kept tensors dense because its arena is full of compressed tensors of an earlier step "
+                f"that are still alive ({self._live} of them), so it could not be reused for this step. A graph is "
+                "kept without its backward: an evaluation forward run with gradients enabled whose output is "
+                "still referenced, or forwards and backwards interleaved (pipeline schedules, several threads "
+                "training at once). Run evaluation "
+                "under torch.no_grad() or drop its output; gradients stay exact either way.",
+                RuntimeWarning,
+                stacklevel=5,  # the user's line that saved the tensor, when a pack falls back
+            )
 
-    def _recompute(self, t: torch.Tensor) -> tuple[Handle, int] | None:
+    def _recompute(self, t: torch.Tensor) -> Handle | None:
         """A handle that restores ``t`` as the square of a tensor already handled, if it is
-        one (``t`` may be a view of the square's result)."""
+        one (``t`` may be a view of the square's result), with the forward's own op."""
         result = t._base if t._base is not None else t
-        edge = squared_input(result.grad_fn)
-        source = self._sources.get(node_key(*edge)) if edge is not None and edge[0] is not None else None
+        found = squared_input(result.grad_fn)
+        if found is None or found[0][0] is None:
+            return None
+        edge, square = found
+        source = self._sources.get(node_key(*edge))
         handle = source[0]() if source is not None else None
         if handle is None:
             return None
-        _, start, shape, stride, offset = source
-        # The square of a contiguous tensor is a new contiguous tensor of its shape.
-        if result.shape != shape or result.storage_offset() != 0 or not result.is_contiguous():
+        _, shape, stride, offset, dtype = source
+        # The square of a contiguous tensor is a new contiguous tensor of its shape and dtype
+        # (under autocast, pow may return float32 of a bfloat16 input: stored instead).
+        if result.shape != shape or result.dtype != dtype or result.storage_offset() != 0 or not result.is_contiguous():
             return None
-        source_view = ViewOf(handle, shape, stride, offset - start)
-        key = (result.dtype, result.device.type)
-        if key not in self._recompute_verified:
-            # Once per dtype and device: is the recomputed square the forward's, bit for bit?
-            recomputed = torch.square(source_view._restore())
-            self._recompute_verified[key] = bool(
-                torch.equal(recomputed.view(torch.uint8), result.detach().view(torch.uint8))
-            )
-            handle._cache = None  # nothing decoded stays alive
-        if not self._recompute_verified[key]:
-            return None
-        if isinstance(handle, StoredTensor) and _whole(handle, shape, offset - start):
-            recomputed_handle = SquareOf(handle, result)  # decoded with its source, in one pass
+        offset -= handle.start
+        if (
+            isinstance(handle, StoredTensor)
+            and handle.compressed is not None
+            and offset == 0
+            and shape == handle.compressed.shape
+            and self._exact.fused_square(handle.codec, dtype, result.device, square)
+        ):
+            recomputed = SquareOf(handle, square, result)  # decoded with its source, in one pass
         else:
-            recomputed_handle = Recomputed(source_view, torch.square, result, 0)
-        self._remember(result, recomputed_handle)
-        return recomputed_handle, 0
+            recomputed = Recomputed(ViewOf(handle, shape, stride, offset), square, result)
+        self._stored.add(result, recomputed)
+        return recomputed
 
-    def _note_source(self, t: torch.Tensor, handle: Handle, start: int) -> None:
-        """Note that ``handle`` (restoring storage from ``start``) restores ``t``, under
-        ``t``'s autograd identity, for a square of ``t`` to find (last write wins: a tensor
-        modified in place is packed again before it is squared)."""
+    def _note_source(self, t: torch.Tensor, handle: Handle) -> None:
+        """Note that ``handle`` restores ``t``, under ``t``'s autograd identity, for a square
+        of ``t`` to find (last write wins: a tensor modified in place is packed again
+        before it is squared)."""
         if t.grad_fn is not None and t.is_contiguous():
             key = node_key(t.grad_fn, t.output_nr)
-            self._sources[key] = (weakref.ref(handle), start, t.shape, t.stride(), t.storage_offset())
+            self._sources[key] = (weakref.ref(handle), t.shape, t.stride(), t.storage_offset(), t.dtype)
 
     @staticmethod
-    def _slot(handle: Handle, start: int, t: torch.Tensor) -> Handle:
+    def _slot(handle: Handle, t: torch.Tensor) -> Handle:
         """Count one more saved slot: ``handle`` itself, or a view of it if ``t`` is a view."""
-        if not _same_geometry(handle, t, start):
-            handle = ViewOf(handle, t.shape, t.stride(), t.storage_offset() - start)
+        if not _same_geometry(handle, t):
+            handle = ViewOf(handle, t.shape, t.stride(), t.storage_offset() - handle.start)
         handle.slots += 1
         return handle
 
@@ -455,20 +323,49 @@ class Session:
             self._poll()
 
     def _poll(self) -> None:
-        for arena, _ in self._arenas.values():
+        for arena in self._arenas.values():
             arena.poll()
 
+    def begin_step(self) -> None:
+        """Begin a new step now if the current one is over (``compressing()`` entry)."""
+        with self._lock:
+            if self._step_over():
+                self._begin_step()
+
+    def _step_over(self) -> bool:
+        """Whether the current step is over: a backward ran since it began (a pack during a
+        backward, which saves for a double backward, belongs to the step), or every tensor
+        it stored was released (a graph dropped without backward)."""
+        if self._backward_seen:
+            return torch._C._current_graph_task_id() == -1
+        return self._live == 0 and self._collector.leased
+
     def _begin_step(self) -> None:
+        """Learn from the finished step which sites do not pay and what the others need, and
+        empty the arenas for the new step where nothing they hold is alive."""
+        for arena in self._arenas.values():
+            arena.drain()  # the last step's reports: its encoders ran before its backward
+        demand = {arena: [0, 0] for arena in self._arenas.values()}
+        for site, (arena, dense_bytes, fixed_words, value_words) in self._collector.sites.items():
+            if dense_bytes < PROFITABLE_RATIO * 4 * (fixed_words + value_words):
+                self._unprofitable.add(site)
+            else:
+                demand[arena][0] += fixed_words
+                demand[arena][1] += value_words
+        self._stale_arenas = False
+        for arena, (fixed_words, value_words) in demand.items():
+            self._stale_arenas |= not arena.begin_step(fixed_words, value_words)
         self._step += 1
-        self._collector = _StepCollector(self._step)
+        self._collector = StepCollector(self._step)
+        self._backward_seen = False
         self._forget_saved()
 
     def _released(self) -> None:
-        with self._lock:
-            self._live -= 1
-            if self._live == 0:
-                self._forget_saved()
-                self.marks.clear()
+        """One compressed tensor fewer (called with the lock held)."""
+        self._live -= 1
+        if self._live == 0:
+            self._forget_saved()
+            self.marks.clear()
 
     def _forget_saved(self) -> None:
         """Drop the lookups of what this step saved (they refer to its tensors and handles)."""
@@ -478,65 +375,69 @@ class Session:
 
     def stats(self) -> Stats:
         with self._lock:
-            return copy.deepcopy(self._collector.finish())
-
-    def begin_step_if_idle(self) -> None:
-        """Start a new step now if nothing of the last one is alive (``compressing()`` entry)."""
-        with self._lock:
-            if self._live == 0 and self._collector.stats.tensors_seen:
-                self._begin_step()
+            reserved = sum(arena.reserved_bytes for arena in self._arenas.values())
+            return copy.deepcopy(self._collector.finish(self._live, reserved))
 
     def reset(self) -> None:
-        """Forget arenas and learned state (only when nothing is stored)."""
+        """Forget arenas (releasing their memory), learned state and statistics.
+
+        Raises:
+            RuntimeError: compressed tensors are alive (run backward, or drop their graphs).
+        """
         with self._lock:
             if self._live:
-                raise RuntimeError("cannot reset while compressed tensors are alive; run backward first")
+                raise RuntimeError(
+                    f"cannot reset BitSparse while {self._live} compressed tensors are alive: run backward "
+                    "or drop the graphs that hold them first"
+                )
+            for arena in self._arenas.values():
+                arena.drain()
             self._arenas.clear()
+            self._capacities.clear()
             self._unprofitable.clear()
-            self._recompute_verified.clear()
+            self._exact.clear()
+            self.marks.clear()
+            self._forget_saved()
+            self._step = 1
+            self._collector = StepCollector(1)
+            self._backward_seen = self._stale_arenas = self._warned_stale = False
 
 
-def _whole(handle: StoredTensor, shape: torch.Size, offset: int) -> bool:
-    """Whether the contiguous view of ``shape`` at ``offset`` in what ``handle`` stores is all of it."""
-    return handle.compressed is not None and offset == 0 and shape == handle.compressed.shape
-
-
-def _same_geometry(handle: Handle, t: torch.Tensor, start: int) -> bool:
-    """Whether ``t`` is exactly the tensor ``handle`` restores (stored at ``start``)."""
+def _same_geometry(handle: Handle, t: torch.Tensor) -> bool:
+    """Whether ``t`` is exactly the tensor ``handle`` restores."""
     if isinstance(handle, StoredTensor):
-        # Only contiguous stored tensors are shared (see _remember).
-        return t.storage_offset() == start and t.is_contiguous() and t.shape == handle.compressed.shape
-    return (t.shape, t.stride(), t.storage_offset() - start) == (handle.size, handle.stride, handle.offset)
+        # Only contiguous stored tensors are shared (see _store).
+        dense_shape = handle.compressed.shape if handle.compressed is not None else handle.dense[2]
+        return t.storage_offset() == handle.start and t.is_contiguous() and t.shape == dense_shape
+    return (t.shape, t.stride(), t.storage_offset() - handle.start) == (handle.size, handle.stride, handle.offset)
 
 
-class _StepLease:
-    """An arena lease that also counts the session's live handles."""
+class _Lease:
+    """An arena lease that also counts the session's live tensors; released when dropped,
+    whatever dropped it (an exception while storing included)."""
 
     __slots__ = ("_session", "_lease")
 
-    def __init__(self, session: Session, lease):
-        self._session, self._lease = session, lease
+    def __init__(self, session: Session, arena: Arena):
+        self._session, self._lease = session, arena.open_lease()
         session._live += 1
 
-    def release(self) -> None:
-        if self._lease is not None:
-            lease, self._lease = self._lease, None
-            lease.release()
+    def __del__(self):
+        with self._session._lock:
+            self._lease.release()
             self._session._released()
 
 
-def _confirmation(handle_ref, collector, *, capacity, fixed_bytes, dense_bytes, site, unprofitable):
-    """The callback an arena calls with where this tensor's values started and ended."""
+def _confirmation(handle_ref, session: Session, collector: StepCollector, site, arena, fixed_words, dense_bytes):
+    """The callback an arena calls with where a stored tensor's values started and ended."""
 
     def confirm(start: int, end: int) -> None:
-        fits = end <= capacity
-        stored = fixed_bytes + 4 * (end - start) if fits else dense_bytes
-        collector.stats.stored_bytes += stored
+        fits = end <= arena.values_capacity_words
+        collector.stats.stored_bytes += 4 * (fixed_words + end - start) if fits else dense_bytes
+        collector.add_site(site, arena, dense_bytes, fixed_words, end - start)
         if not fits:
             collector.fallbacks["arena_full"] += 1
-        # An overflow says nothing about whether the site pays.
-        if site is not None and fits and dense_bytes < PROFITABLE_RATIO * stored:
-            unprofitable.add(site)
+            session._warn_if_stale()
         handle = handle_ref()
         if handle is not None:
             handle.confirm(fits)
@@ -544,13 +445,21 @@ def _confirmation(handle_ref, collector, *, capacity, fixed_bytes, dense_bytes, 
     return confirm
 
 
-def _initial_capacity(device: torch.device, capacity) -> int:
+def _measured(collector: StepCollector, site: tuple, arena, fixed_words: int, dense_bytes: int):
+    """The callback an arena calls with where a measured tensor's values would have gone."""
+
+    def record(start: int, end: int) -> None:
+        collector.add_site(site, arena, dense_bytes, fixed_words, end - start)
+
+    return record
+
+
+def _capacity_bytes(device: torch.device, capacity: int | float) -> int:
+    """An explicit capacity option in bytes (a fraction of free memory, or bytes)."""
     if isinstance(capacity, int):
         return capacity
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
-        if capacity == "auto":
-            return CPU_AUTO_CAPACITY
         free = psutil.virtual_memory().available
-    return int(free * (CUDA_AUTO_FRACTION if capacity == "auto" else capacity))
+    return int(free * capacity)

@@ -18,9 +18,11 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
-import weakref
+from dataclasses import dataclass
 
 import torch
+
+from bitsparse.hooks.spans import SpanIndex
 
 MAX_MARKED_STORAGES = 4096
 """Marks are pruned of dead tensors when they cover more storages than this."""
@@ -104,13 +106,32 @@ def _kind(node) -> int:
     return rule if rule.__class__ is int else rule(node)
 
 
-def squared_input(node):
-    """The ``(node, output_nr)`` edge whose value ``node`` squares, or None.
+@dataclass(frozen=True)
+class Square:
+    """How the forward squared a tensor: ``torch.pow(x, exponent)`` (``torch.square`` and
+    ``x ** 2`` are ``pow(x, 2)``), or ``torch.mul(x, x)`` when ``exponent`` is None.
+
+    Applying the same op to the same bits reproduces the forward's result bit for bit, NaN
+    payloads included; another spelling of the square may not (``x * x`` and ``pow(x, 2)``
+    return different NaNs for float16 on the CPU).
+    """
+
+    exponent: int | float | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.mul(x, x) if self.exponent is None else torch.pow(x, self.exponent)
+
+
+def squared_input(node) -> tuple[tuple, Square] | None:
+    """The ``(node, output_nr)`` edge whose value ``node`` squares, and how; or None.
 
     ``torch.square``, ``** 2`` and ``pow(2)`` are ``PowBackward0`` with exponent 2; ``x * x``
     is ``MulBackward0`` with the same edge twice.
     """
-    return node.next_functions[0] if node is not None and _kind(node) == _SQUARE else None
+    if node is None or _kind(node) != _SQUARE:
+        return None
+    square = Square(None) if type(node).__name__ == "MulBackward0" else Square(node._saved_exponent)
+    return node.next_functions[0], square
 
 
 def classify_node(node) -> Provenance | None:
@@ -147,54 +168,29 @@ def node_key(node, output_nr: int) -> tuple[int, int, int]:
     return serial, node._sequence_nr(), output_nr
 
 
-def span_end(t: torch.Tensor) -> int:
-    """One past the last storage element ``t`` touches."""
-    if t.is_contiguous():
-        return t.storage_offset() + t.numel()
-    if t.numel() == 0:
-        return t.storage_offset()
-    return t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if s > 0)
-
-
 class Marks:
     """Tensors flagged with ``bitsparse.mark``, by storage, element span and version.
 
     A saved tensor lying inside a marked span of the same storage at the same version is
-    marked, whatever view of it autograd saved. A weak reference to the storage guarantees
-    that an address that was freed and reused never matches.
+    marked, whatever view of it autograd saved.
     """
 
     def __init__(self):
-        self._spans: dict[int, list[tuple]] = {}
+        self._spans = SpanIndex()
         self._lock = threading.Lock()
 
     def mark(self, t: torch.Tensor) -> None:
         if t.is_inference():  # no version counter: it can never be saved for backward
             return
-        storage = t.untyped_storage()
-        entry = (weakref.ref(storage), t.storage_offset(), span_end(t), t.dtype, t._version)
         with self._lock:
             if len(self._spans) > MAX_MARKED_STORAGES:
-                self._prune()
-            self._spans.setdefault(storage.data_ptr(), []).append(entry)
+                self._spans.prune()
+            self._spans.add(t, t.untyped_storage())
 
     def covers(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lies inside a marked span, unchanged since it was marked."""
-        if not self._spans:
-            return False
-        entries = self._spans.get(t.untyped_storage().data_ptr())
-        if not entries:
-            return False
-        offset, end = t.storage_offset(), span_end(t)
-        return any(
-            ref() is not None and dtype == t.dtype and version == t._version and start <= offset and end <= stop
-            for ref, start, stop, dtype, version in entries
-        )
+        return bool(len(self._spans)) and self._spans.find(t) is not None
 
     def clear(self) -> None:
         with self._lock:
             self._spans.clear()
-
-    def _prune(self) -> None:
-        live = {k: [e for e in v if e[0]() is not None] for k, v in self._spans.items()}
-        self._spans = {k: v for k, v in live.items() if v}

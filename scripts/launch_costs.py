@@ -11,7 +11,7 @@ import triton.language as tl
 
 from bitsparse import ValueBuffer, compress, decompress
 from bitsparse.codecs import get_codec, triton_codec
-from bitsparse.compressed import compress_unchecked, decompress_unchecked
+from bitsparse.compressed import compress_into, decompress_with
 from bitsparse.format import TileGeometry, dtype_spec
 
 
@@ -62,8 +62,8 @@ def main():
             small_c.fixed, small_c.values.words, small_c.base, small_out, spec, geometry, False
         ),
         "decompress, 1 tile": lambda: decompress(small_c),
-        "compress_unchecked, 1 tile": lambda: compress_unchecked(small, codec, geometry, values, fixed, False),
-        "decompress_unchecked, 1 tile": lambda: decompress_unchecked(small_c, codec),
+        "compress_into, 1 tile": lambda: compress_into(small, codec, geometry, values, fixed, False),
+        "decompress_with, 1 tile": lambda: decompress_with(small_c, codec),
         "torch.cuda.current_stream()": torch.cuda.current_stream,
         "_cuda_getCurrentRawStream(0)": lambda: torch._C._cuda_getCurrentRawStream(0),
         "compress, 1 tile": lambda: compress(small),

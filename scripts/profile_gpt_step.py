@@ -36,10 +36,9 @@ STAGES = [
     (manager.Session, "unpack"),
     (manager.Session, "_store"),
     (manager.Session, "_recompute"),
-    (manager.Session, "_find_stored"),
     (manager.Session, "_poll"),
-    (manager, "compress_unchecked"),
-    (handles, "decompress_unchecked"),
+    (manager, "compress_into"),
+    (handles, "decompress_with"),
     (triton_codec, "encode"),
     (triton_codec, "decode"),
     (Arena, "submit"),
@@ -48,7 +47,6 @@ STAGES = [
     (handles.Recomputed, "_restore"),
     # The parts of Session._store not timed above (its time varied 197-656 us a call).
     (manager.Session, "_arena"),
-    (manager.Session, "_remember"),
     (Arena, "on_append_stream"),
     (Arena, "next_report"),
     (Arena, "next_start"),
@@ -106,7 +104,7 @@ def main() -> None:
             if variant.startswith("bitsparse"):
                 stats = bitsparse.stats()
                 waits[variant].append(stats.window_waits)
-                memory[variant][-1] += stats.arena_capacity
+                memory[variant][-1] += stats.arena_reserved
     dense_ms = statistics.median(gpu["dense"])
     print(f"T={args.length}, {args.repeats} interleaved repeats")
     print(f"{'variant':<28}{'step ms':>9}{'vs dense':>10}{'host ms':>9}{'fwd ms':>9}{'MiB/token':>11}{'waits':>7}")

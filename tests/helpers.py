@@ -20,7 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bitsparse import ValueBuffer, compress, decompress
+from bitsparse import ValueBuffer, decompress
+from bitsparse.codecs import get_codec
+from bitsparse.compressed import CompressedTensor, compress_into
 from bitsparse.format import (
     MAX_TILE_OFFSET,
     SUPPORTED_DTYPES,
@@ -392,6 +394,29 @@ def check_against_reference(
     return ref
 
 
+def compress_with(
+    x: torch.Tensor,
+    backend: str | None = None,
+    *,
+    sign_pack: bool = False,
+    values: ValueBuffer | None = None,
+    fixed: torch.Tensor | None = None,
+    nonzeros: torch.Tensor | None = None,
+    report: torch.Tensor | None = None,
+    base: torch.Tensor | None = None,
+) -> CompressedTensor:
+    """``compress`` through the allocators' entry point, with the append protocol's optional
+    words (caller-provided fixed words, nonzero counter, report, start word)."""
+    geometry = TileGeometry()
+    spec = dtype_spec(x.dtype)
+    if values is None:
+        values = ValueBuffer(geometry.max_stream_words(x.numel(), spec.bits), x.device)
+    if fixed is None:
+        fixed = torch.empty(geometry.fixed_nbytes(x.numel()) // 4, dtype=torch.int32, device=x.device)
+    codec = get_codec(backend, x.device)
+    return compress_into(x.contiguous(), codec, geometry, values, fixed, sign_pack, nonzeros, report, base)
+
+
 def check_successive_appends(backend: str, device: str = "cpu") -> None:
     """Appends to one buffer follow each other: each starts at the cursor its predecessor
     left, reports its end plus one, and leaves the encoders' scratch counters at zero."""
@@ -404,7 +429,7 @@ def check_successive_appends(backend: str, device: str = "cpu") -> None:
         x = make_input(numel, dtype, 0.5, g).to(device)
         report = torch.zeros(1, dtype=torch.int64, pin_memory=device == "cuda")
         before = int(buf.cursor)
-        c = compress(x, sign_pack=sign_pack, values=buf, backend=backend, report=report)
+        c = compress_with(x, backend, sign_pack=sign_pack, values=buf, report=report)
         if device == "cuda":
             torch.cuda.synchronize()
         assert int(c.base) == before

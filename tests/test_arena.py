@@ -1,23 +1,30 @@
 """The arena allocator on the CPU: fixed reservations, value appends, reports, leases, resizing.
 
-On the CPU ``submit`` reports at once (there is nothing asynchronous to wait for), so every
-report is complete when a step ends and the arena may shrink as well as grow. Value demand is
-driven by really compressing tensors into ``arena.values`` with the torch codec.
+On the CPU ``submit`` reports at once (there is nothing asynchronous to wait for). Value
+demand is driven by really compressing (or measuring) tensors into the arena with the torch
+codec.
 """
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
 from helpers import assert_bitwise_equal, generator, make_input
 
-from bitsparse import TileGeometry, ValueBuffer, compress, decompress
+from bitsparse import TileGeometry, ValueBuffer, decompress
 from bitsparse.allocator import Arena, ArenaUsage, Lease
-from bitsparse.allocator.arena import GROW_WHEN_ABOVE, HEADROOM, WORD_BYTES
+from bitsparse.allocator.arena import GROW_WHEN_ABOVE, HEADROOM, START_SLOTS, WORD_BYTES
+from bitsparse.codecs import torch_codec
+from bitsparse.compressed import compress_into
+from bitsparse.format import dtype_spec
 
 GEOMETRY = TileGeometry()
+COUNTER_BYTES = 3 * 8
+"""The arena's cursor and the encoders' two scratch words."""
 
 
 def relu_like(numel: int, zero_fraction: float, *seed) -> torch.Tensor:
@@ -30,7 +37,8 @@ def fixed_words(numel: int) -> int:
 
 
 class Store:
-    """Compresses tensors into an arena and records the reports ``submit`` makes."""
+    """Compresses (or, without room, measures) tensors into an arena and records the
+    reports ``submit`` makes."""
 
     def __init__(self, arena: Arena):
         self.arena = arena
@@ -38,12 +46,16 @@ class Store:
 
     def __call__(self, x: torch.Tensor):
         fixed = self.arena.reserve_fixed(fixed_words(x.numel()))
-        assert fixed is not None, "fixed region full"
-        report = self.arena.next_report()
-        assert report is None, "on the CPU, submit reads the cursor itself"
-        c = compress(x, values=self.arena.values, fixed=fixed, backend="torch", geometry=GEOMETRY)
+        slot, report = self.arena.next_report()
+        assert slot is None and report is None, "on the CPU, submit reads the cursor itself"
+        if fixed is None:
+            torch_codec.measure(x, self.arena.cursor, self.arena.appends, dtype_spec(x.dtype), GEOMETRY, False)
+            c = None
+        else:
+            base = self.arena.next_start()
+            c = compress_into(x, torch_codec, GEOMETRY, self.arena.values, fixed, False, base=base)
         before = len(self.reports)
-        self.arena.submit(lambda start, end: self.reports.append((start, end)))
+        self.arena.submit(slot, lambda start, end: self.reports.append((start, end)))
         assert len(self.reports) == before + 1, "on the CPU, submit reports at once"
         return c
 
@@ -64,10 +76,20 @@ def test_initial_layout():
     assert arena.fixed_capacity_words == 256
     assert isinstance(arena.values, ValueBuffer)
     # 768 value words, the last one the guard.
-    assert arena.values.capacity == 767
+    assert arena.values.capacity == arena.values_capacity_words == 767
     assert arena.values.device == torch.device("cpu")
-    assert arena.values.cursor.dtype == torch.int64 and int(arena.values.cursor) == 0
-    assert not arena.step_over
+    assert arena.cursor.dtype == torch.int64 and int(arena.cursor) == 0
+    assert arena.values.cursor.data_ptr() == arena.cursor.data_ptr()
+    assert arena.reserved_bytes == 4096 + COUNTER_BYTES + 8 * START_SLOTS
+    assert not arena.leased
+
+
+def test_an_arena_without_capacity_holds_only_its_counters():
+    arena = Arena("cpu")
+    assert arena.capacity_bytes == 0 and arena.values is None and arena.fixed_capacity_words == 0
+    assert arena.reserved_bytes == COUNTER_BYTES
+    assert arena.reserve_fixed(1) is None
+    assert arena.usage().fixed_demand == WORD_BYTES
 
 
 def test_capacity_rounds_down_to_words():
@@ -75,16 +97,9 @@ def test_capacity_rounds_down_to_words():
     assert arena.capacity_bytes == 4096
 
 
-@pytest.mark.parametrize("capacity", [0, 1, 63, -4096])
-def test_capacity_too_small(capacity):
-    with pytest.raises(ValueError, match=f"arena capacity must be at least 64 bytes, got {capacity}"):
-        Arena("cpu", capacity)
-
-
-def test_smallest_capacity():
-    arena = Arena("cpu", 64)
-    assert arena.capacity_bytes == 64
-    assert arena.fixed_capacity_words >= 1 and arena.values.capacity >= 0
+def test_negative_capacity():
+    with pytest.raises(ValueError, match="arena capacity must be >= 0 bytes, got -4096"):
+        Arena("cpu", -4096)
 
 
 @pytest.mark.parametrize("fraction", [0, 0.0, 1, 1.0, -0.5, 1.5])
@@ -105,7 +120,6 @@ def test_window_too_small(window):
 
 def test_reserve_fixed_hands_out_consecutive_disjoint_slices():
     arena = Arena("cpu", 4096, fixed_fraction=0.25)  # 256 fixed words
-    arena.open_lease()
     sizes = [10, 1, 100, 45, 100]  # 256 in all
     slices = [arena.reserve_fixed(n) for n in sizes]
     assert all(s is not None for s in slices)
@@ -119,19 +133,16 @@ def test_reserve_fixed_hands_out_consecutive_disjoint_slices():
     assert words_ranges_disjoint(slices)
     # None of them overlaps the value region (words and guard).
     assert words_ranges_disjoint(slices + [arena.values.words])
-    # Writing one slice leaves the others alone.
     for i, s in enumerate(slices):
         s.fill_(i + 1)
     for i, s in enumerate(slices):
         assert bool((s == i + 1).all())
     usage = arena.usage()
-    assert usage.fixed_used == 256 * WORD_BYTES
-    assert usage.fixed_demand == 256 * WORD_BYTES
+    assert usage.fixed_used == usage.fixed_demand == 256 * WORD_BYTES
 
 
 def test_reserve_fixed_returns_none_when_full_and_counts_demand():
     arena = Arena("cpu", 4096, fixed_fraction=0.25)
-    arena.open_lease()
     assert arena.reserve_fixed(200) is not None
     assert arena.reserve_fixed(57) is None  # 257 > 256
     assert arena.reserve_fixed(1000) is None
@@ -145,7 +156,6 @@ def test_reserve_fixed_returns_none_when_full_and_counts_demand():
 
 def test_reserve_zero_words():
     arena = Arena("cpu", 4096)
-    arena.open_lease()
     empty = arena.reserve_fixed(0)
     assert empty is not None and empty.numel() == 0
     assert arena.usage().fixed_used == 0
@@ -153,10 +163,8 @@ def test_reserve_zero_words():
 
 def test_reserve_fixed_reuses_a_span_view_across_steps():
     arena = Arena("cpu", 4096, fixed_fraction=0.25, growable=False)  # the same buffer
-    lease = arena.open_lease()
     first = [arena.reserve_fixed(n) for n in (10, 20)]
-    lease.release()
-    arena.open_lease()
+    assert arena.begin_step(0, 0)
     again = [arena.reserve_fixed(n) for n in (10, 20)]
     assert [a is b for a, b in zip(first, again)] == [True, True]  # the same spans, made once
     other = arena.reserve_fixed(5)
@@ -164,31 +172,17 @@ def test_reserve_fixed_reuses_a_span_view_across_steps():
 
 
 def test_start_words_are_distinct_within_a_step_and_grow_for_the_next():
-    from bitsparse.allocator.arena import INITIAL_START_SLOTS
-
     arena = Arena("cpu", 1 << 16)
-    lease = arena.open_lease()
-    starts = [arena.next_start() for _ in range(INITIAL_START_SLOTS + 3)]
+    store = Store(arena)
+    for i in range(START_SLOTS + 3):
+        store(relu_like(1, 0.0, i))
+    starts = [arena.next_start() for _ in range(3)]
     assert all(s.dtype == torch.int64 and s.shape == (1,) for s in starts)
-    assert words_ranges_disjoint(starts)
-    lease.release()
-    arena.open_lease()
+    assert arena.begin_step(0, 0)
     # The step that needed more made them for the next one: all from one allocation.
-    more = [arena.next_start() for _ in range(INITIAL_START_SLOTS + 3)]
+    more = [arena.next_start() for _ in range(START_SLOTS + 3)]
     assert len({s.untyped_storage().data_ptr() for s in more}) == 1
     assert words_ranges_disjoint(more)
-
-
-def test_tensors_compressed_with_start_words_round_trip():
-    arena = Arena("cpu", 1 << 20)
-    arena.open_lease()
-    xs = [relu_like(n, 0.7, n) for n in (5000, 4096, 1)]
-    compressed = []
-    for x in xs:
-        fixed = arena.reserve_fixed(fixed_words(x.numel()))
-        compressed.append(compress(x, values=arena.values, fixed=fixed, backend="torch", base=arena.next_start()))
-    for x, c in zip(xs, compressed):
-        assert_bitwise_equal(decompress(c), x)
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,7 +191,6 @@ def test_tensors_compressed_with_start_words_round_trip():
 
 def test_submit_reports_at_once_and_reports_chain():
     arena = Arena("cpu", 1 << 16)
-    arena.open_lease()
     store = Store(arena)
     tensors = [relu_like(n, z, i) for i, (n, z) in enumerate([(5000, 0.5), (4096, 0.9), (300, 0.0), (8192, 1.0), (7000, 0.7)])]
     compressed = [store(x) for x in tensors]
@@ -208,7 +201,7 @@ def test_submit_reports_at_once_and_reports_chain():
         assert int(c.base) == start
         assert end - start == int(c.stream_words())
         assert c.fits()
-    assert store.reports[-1][1] == int(arena.values.cursor)
+    assert store.reports[-1][1] == int(arena.cursor)
     assert arena.usage().values_demand == store.reports[-1][1] * WORD_BYTES
     for c, x in zip(compressed, tensors):
         assert_bitwise_equal(decompress(c, backend="torch"), x)
@@ -216,11 +209,10 @@ def test_submit_reports_at_once_and_reports_chain():
 
 def test_submit_without_appending_reports_an_empty_range():
     arena = Arena("cpu", 1 << 16)
-    arena.open_lease()
     store = Store(arena)
     store(relu_like(4096, 0.5))
     reports = []
-    arena.submit(lambda s, e: reports.append((s, e)))
+    arena.submit(None, lambda s, e: reports.append((s, e)))
     end = store.reports[-1][1]
     assert reports == [(end, end)]
 
@@ -229,25 +221,32 @@ def test_overflowing_tensor_does_not_fit_and_earlier_ones_survive():
     # 64 KiB: 4096 fixed words and 12288 value words (12287 usable).
     arena = Arena("cpu", 1 << 16, fixed_fraction=0.25)
     assert arena.values.capacity == 12287
-    arena.open_lease()
     store = Store(arena)
     tensors = [relu_like(4096, 0.5, i) for i in range(7)]  # 2048 value words each
     compressed = [store(x) for x in tensors]
-    fits = [c.fits() for c in compressed]
-    assert fits == [True] * 5 + [False] * 2
-    ends = [end for _, end in store.reports]
-    assert ends == [2048 * (i + 1) for i in range(7)]
+    assert [c.fits() for c in compressed] == [True] * 5 + [False] * 2
+    assert [end for _, end in store.reports] == [2048 * (i + 1) for i in range(7)]
     # The cursor went past the capacity, the demand says how far.
-    assert int(arena.values.cursor) == 7 * 2048 > arena.values.capacity
-    usage = arena.usage()
-    assert usage.values_demand == 7 * 2048 * WORD_BYTES
+    assert int(arena.cursor) == 7 * 2048 > arena.values.capacity
+    assert arena.usage().values_demand == 7 * 2048 * WORD_BYTES
     for c, x in zip(compressed[:5], tensors[:5]):
         assert_bitwise_equal(decompress(c, backend="torch"), x)
 
 
+def test_measured_tensors_move_the_cursor_as_stored_ones_would():
+    empty, roomy = Arena("cpu"), Arena("cpu", 1 << 20)
+    tensors = [relu_like(n, z, i) for i, (n, z) in enumerate([(5000, 0.5), (4096, 0.9), (8192, 1.0)])]
+    measured, stored = Store(empty), Store(roomy)
+    assert [measured(x) for x in tensors] == [None] * 3  # no room: only measured
+    compressed = [stored(x) for x in tensors]
+    assert measured.reports == stored.reports
+    assert [end - start for start, end in measured.reports] == [int(c.stream_words()) for c in compressed]
+    assert empty.usage().values_demand == roomy.usage().values_demand
+    assert empty.usage().fixed_demand == roomy.usage().fixed_demand
+
+
 def test_peak_after_overflow_is_at_most_what_the_regions_hold():
     arena = Arena("cpu", 1 << 16, fixed_fraction=0.25)
-    arena.open_lease()
     store = Store(arena)
     for i in range(7):
         store(relu_like(4096, 0.5, i))
@@ -260,13 +259,13 @@ def test_peak_after_overflow_is_at_most_what_the_regions_hold():
 
 def test_usage_fields_and_peak():
     arena = Arena("cpu", 1 << 16)
-    assert isinstance(arena.usage(), ArenaUsage)
     fresh = arena.usage()
+    assert isinstance(fresh, ArenaUsage)
     assert (fresh.capacity, fresh.fixed_used, fresh.fixed_demand, fresh.values_demand, fresh.window_waits, fresh.peak) == (
         1 << 16, 0, 0, 0, 0, 0
     )
+    assert fresh.reserved == arena.reserved_bytes
     assert fresh.values_capacity == arena.values.capacity * WORD_BYTES
-    arena.open_lease()
     store = Store(arena)
     c1 = store(relu_like(5000, 0.5))
     c2 = store(relu_like(4096, 0.75))
@@ -276,243 +275,173 @@ def test_usage_fields_and_peak():
     assert usage.fixed_used == usage.fixed_demand == fixed * WORD_BYTES
     assert usage.values_demand == int(c1.stream_words() + c2.stream_words()) * WORD_BYTES
     assert usage.window_waits == 0  # nothing asynchronous on the CPU
-    assert usage.peak == usage.fixed_used + usage.values_demand
-    assert usage.fixed_used + usage.values_demand == c1.nbytes + c2.nbytes
+    assert usage.peak == usage.fixed_used + usage.values_demand == c1.nbytes + c2.nbytes
 
 
 # --------------------------------------------------------------------------------------------
 # Leases and steps
 
 
-def test_step_over_only_after_every_lease_is_released():
+def test_a_step_begins_only_when_every_lease_is_released():
     arena = Arena("cpu", 4096)
     leases = [arena.open_lease() for _ in range(3)]
-    assert all(isinstance(lease, Lease) for lease in leases)
+    assert all(isinstance(lease, Lease) for lease in leases) and arena.leased
     for lease in leases[:-1]:
         lease.release()
-        assert not arena.step_over
+        assert not arena.begin_step(0, 0)
     # Releasing twice counts once.
     leases[0].release()
     leases[1].release()
-    assert not arena.step_over
+    assert arena.leased and not arena.begin_step(0, 0)
     leases[-1].release()
-    assert arena.step_over
+    assert not arena.leased and arena.begin_step(0, 0)
     leases[-1].release()
-    assert arena.step_over
+    assert not arena.leased
 
 
-def test_leases_opened_during_a_step_keep_it_going():
-    arena = Arena("cpu", 4096)
-    a = arena.open_lease()
-    b = arena.open_lease()
-    a.release()
-    c = arena.open_lease()  # the step is not over: nothing is reset
-    assert not arena.step_over
-    b.release()
-    assert not arena.step_over
-    c.release()
-    assert arena.step_over
-
-
-def test_next_lease_resets_cursor_and_fixed_usage():
+def test_begin_step_empties_the_arena_and_until_then_contents_survive():
     arena = Arena("cpu", 1 << 16, growable=False)
     lease = arena.open_lease()
     store = Store(arena)
     first = arena.reserve_fixed(100)
-    store(relu_like(4096, 0.5))
-    assert int(arena.values.cursor) > 0 and arena.usage().fixed_used > 0
-    # While the step lasts nothing is reset, even by new leases.
-    extra = arena.open_lease()
-    assert int(arena.values.cursor) > 0
-    extra.release()
+    tensors = [relu_like(4096, z) for z in (0.3, 0.6, 0.9)]
+    compressed = [store(x) for x in tensors]
+    assert not arena.begin_step(0, 0)  # leased: nothing is emptied
+    assert int(arena.cursor) > 0 and arena.usage().fixed_used > 0
     lease.release()
-    assert arena.step_over
-    # Releasing the last lease resets nothing yet: the contents stay readable...
-    assert int(arena.values.cursor) > 0
-    # ...until the next step's first lease.
-    arena.open_lease()
-    assert not arena.step_over
-    assert int(arena.values.cursor) == 0
+    for c, x in zip(compressed, tensors):  # released, but not emptied until the next step
+        assert_bitwise_equal(decompress(c, backend="torch"), x)
+    assert arena.begin_step(0, 0)
+    assert int(arena.cursor) == 0
     usage = arena.usage()
     assert (usage.fixed_used, usage.fixed_demand, usage.values_demand) == (0, 0, 0)
-    again = arena.reserve_fixed(100)
-    assert again.data_ptr() == first.data_ptr()
+    assert arena.reserve_fixed(100).data_ptr() == first.data_ptr()
     # The first report of the new step starts at 0.
     store.reports.clear()
     store(relu_like(4096, 0.5, "next"))
     assert store.reports[0][0] == 0
 
 
-def test_compressed_tensors_of_a_step_survive_until_its_end():
-    arena = Arena("cpu", 1 << 16)
-    lease = arena.open_lease()
-    store = Store(arena)
-    tensors = [relu_like(4096, z) for z in (0.3, 0.6, 0.9)]
-    compressed = [store(x) for x in tensors]
-    # Nothing that happens to leases within the step disturbs the stored values.
-    for _ in range(3):
-        arena.open_lease().release()
-    for c, x in zip(compressed, tensors):
-        assert_bitwise_equal(decompress(c, backend="torch"), x)
-    lease.release()
-    for c, x in zip(compressed, tensors):
-        assert_bitwise_equal(decompress(c, backend="torch"), x)
-
-
 # --------------------------------------------------------------------------------------------
-# Growing and shrinking between steps
+# Sizing for the next step
 
 
 def assert_all_fit_exactly(compressed, tensors) -> None:
     """Every tensor's values were written, and it decodes to the original bit for bit."""
-    assert all(c.fits() for c in compressed)
+    assert all(c is not None and c.fits() for c in compressed)
     for c, x in zip(compressed, tensors):
         assert_bitwise_equal(decompress(c, backend="torch"), x)
 
 
-def run_step(arena: Arena, tensors=(), extra_fixed_words: int = 0) -> ArenaUsage:
-    """One step: a lease, reservations and compressions, then the lease released."""
-    lease = arena.open_lease()
-    store = Store(arena) if tensors else None
-    for x in tensors:
-        store(x)
-    if extra_fixed_words:
-        arena.reserve_fixed(extra_fixed_words)
+def demand(arena: Arena) -> tuple[int, int]:
+    """What the arena was asked for since it was emptied, in (fixed, value) words."""
     usage = arena.usage()
-    lease.release()
-    return usage
+    return usage.fixed_demand // WORD_BYTES, usage.values_demand // WORD_BYTES
+
+
+def test_an_empty_arena_measures_then_has_room_for_the_same_step():
+    arena = Arena("cpu")
+    tensors = [relu_like(4096, 0.5, i) for i in range(5)] + [relu_like(300, 0.9)]
+    store = Store(arena)
+    assert [store(x) for x in tensors] == [None] * 6
+    assert arena.begin_step(*demand(arena))
+    assert arena.capacity_bytes == 0  # allocated when first needed
+    store = Store(arena)
+    compressed = [store(x) for x in tensors]
+    assert_all_fit_exactly(compressed, tensors)
+    assert arena.fixed_capacity_words == math.ceil(HEADROOM * sum(fixed_words(x.numel()) for x in tensors))
+    assert arena.values.capacity == math.ceil(HEADROOM * sum(int(c.stream_words()) for c in compressed))
 
 
 def test_values_grow_after_an_overflow():
     arena = Arena("cpu", 1 << 16, fixed_fraction=0.25)
     tensors = [relu_like(4096, 0.5, i) for i in range(7)]
-    usage = run_step(arena, tensors)
-    demand_words = usage.values_demand // WORD_BYTES
-    assert demand_words == 7 * 2048 > arena.values.capacity
-    # Resizing happens when the next step begins.
-    assert arena.values.capacity == 12287
-    arena.open_lease()
-    assert arena.values.capacity >= HEADROOM * demand_words
-    assert int(arena.values.cursor) == 0
-    # Now everything of that size fits.
+    store = Store(arena)
+    for x in tensors:
+        store(x)
+    fixed, values = demand(arena)
+    assert values == 7 * 2048 > arena.values.capacity
+    assert arena.begin_step(fixed, values)
     store = Store(arena)
     assert_all_fit_exactly([store(x) for x in tensors], tensors)
+    assert arena.values.capacity == math.ceil(HEADROOM * values)
 
 
-def test_values_grow_at_91_percent_without_overflow():
-    arena = Arena("cpu", 1 << 16, fixed_fraction=0.25)  # 12288 value words
-    # 11264 words (91.7%) that all fit.
-    tensors = [relu_like(4096, 0.5, i) for i in range(5)] + [relu_like(2048, 0.5, "top")]
-    usage = run_step(arena, tensors)
-    demand_words = usage.values_demand // WORD_BYTES
-    assert demand_words == 11264 <= arena.values.capacity
-    assert demand_words > GROW_WHEN_ABOVE * (arena.values.capacity + 1)
-    arena.open_lease()
-    assert arena.values.capacity >= HEADROOM * demand_words
+def test_values_grow_above_ninety_percent_without_overflow():
+    arena = Arena("cpu", 1 << 16, fixed_fraction=0.25)  # 12287 usable value words
+    assert 11264 > GROW_WHEN_ABOVE * 12287
+    assert arena.begin_step(arena.fixed_capacity_words // 2 + 1, 11264)
+    arena.reserve_fixed(0)
+    assert arena.values.capacity == math.ceil(HEADROOM * 11264)
 
 
 def test_fixed_region_grows_after_a_refused_reservation():
     arena = Arena("cpu", 4096, fixed_fraction=0.25)  # 256 fixed words
-    lease = arena.open_lease()
     assert arena.reserve_fixed(200) is not None
     assert arena.reserve_fixed(300) is None
-    lease.release()
-    demand = 500
-    arena.open_lease()
-    assert arena.fixed_capacity_words >= HEADROOM * demand
+    assert arena.begin_step(*demand(arena))
     assert arena.reserve_fixed(200) is not None
     assert arena.reserve_fixed(300) is not None
-
-
-def test_fixed_region_grows_when_close_to_full():
-    arena = Arena("cpu", 4096, fixed_fraction=0.25)  # 256 fixed words
-    run_step(arena, extra_fixed_words=240)  # 93.75%
-    arena.open_lease()
-    assert arena.fixed_capacity_words >= HEADROOM * 240
+    assert arena.fixed_capacity_words == math.ceil(HEADROOM * 500)
 
 
 def test_no_resize_between_half_and_ninety_percent():
-    arena = Arena("cpu", 1 << 16, fixed_fraction=0.25)  # 4096 fixed, 12288 value words
-    buffer_ptr = arena.values.words.data_ptr()
-    # Values: 3 * 2048 + 2048 = 8192 words (67%); fixed: 4 * 129 + 2500 = 3016 words (74%).
-    tensors = [relu_like(4096, 0.5, i) for i in range(4)]
-    usage = run_step(arena, tensors, extra_fixed_words=2500)
-    assert usage.values_demand == 8192 * WORD_BYTES
-    assert usage.fixed_demand == (4 * fixed_words(4096) + 2500) * WORD_BYTES
-    arena.open_lease()
-    assert arena.capacity_bytes == 1 << 16
-    assert arena.fixed_capacity_words == 4096
-    assert arena.values.capacity == 12287
-    assert arena.values.words.data_ptr() == buffer_ptr
+    arena = Arena("cpu", 1 << 16, fixed_fraction=0.25)  # 4096 fixed, 12287 value words
+    buffer = arena.values.words.data_ptr()
+    assert arena.begin_step(3016, 8192)  # 74% and 67%
+    assert arena.reserve_fixed(1) is not None
+    assert (arena.capacity_bytes, arena.fixed_capacity_words, arena.values.capacity) == (1 << 16, 4096, 12287)
+    assert arena.values.words.data_ptr() == buffer
 
 
 def test_shrinks_when_demand_is_under_half():
-    arena = Arena("cpu", 1 << 20, fixed_fraction=0.25)  # 65536 fixed, 196608 value words
-    tensors = [relu_like(4096, 0.5, i) for i in range(3)]
-    usage = run_step(arena, tensors)
-    values_words = usage.values_demand // WORD_BYTES
-    fixed = usage.fixed_demand // WORD_BYTES
-    assert values_words == 3 * 2048 and fixed == 3 * fixed_words(4096)
-    arena.open_lease()
-    assert arena.capacity_bytes < 1 << 20
-    assert HEADROOM * fixed <= arena.fixed_capacity_words < 65536
-    assert HEADROOM * values_words <= arena.values.capacity < 196607
-    # A shrunk arena is big enough for the same step again, without growing.
-    store = Store(arena)
-    assert_all_fit_exactly([store(x) for x in tensors], tensors)
-
-
-def test_resized_regions_are_exactly_demand_times_headroom():
     arena = Arena("cpu", 1 << 20, fixed_fraction=0.25)
-    usage = run_step(arena, [relu_like(4096, 0.5)])
-    arena.open_lease()
-    fixed = usage.fixed_demand // WORD_BYTES
-    values = usage.values_demand // WORD_BYTES
-    assert arena.fixed_capacity_words == max(8, math.ceil(fixed * HEADROOM))
-    # The value region includes its guard word.
-    assert arena.values.capacity + 1 == max(8, math.ceil((values + 1) * HEADROOM))
+    tensors = [relu_like(4096, 0.5, i) for i in range(3)]
+    store = Store(arena)
+    for x in tensors:
+        store(x)
+    assert demand(arena) == (3 * fixed_words(4096), 3 * 2048)
+    assert arena.begin_step(*demand(arena))
+    store = Store(arena)
+    assert_all_fit_exactly([store(x) for x in tensors], tensors)  # room for the same step again
+    assert arena.capacity_bytes < (1 << 20) // 4
 
 
-def test_a_step_without_demand_does_not_resize():
+def test_a_step_without_demand_releases_the_buffer():
     arena = Arena("cpu", 1 << 20)
-    run_step(arena)
-    arena.open_lease()
-    assert arena.capacity_bytes == 1 << 20
+    assert arena.begin_step(0, 0)
+    assert arena.capacity_bytes == 0 and arena.values is None
+
+
+def test_resizing_releases_the_old_buffer_before_the_new_one_is_made():
+    arena = Arena("cpu", 1 << 16)
+    Store(arena)(relu_like(4096, 0.5))
+    old = weakref.ref(arena.values.words.untyped_storage())
+    assert arena.begin_step(100_000, 100_000)
+    gc.collect()
+    assert old() is None  # gone before anything new is allocated
+    assert arena.capacity_bytes == 0
+    assert arena.reserve_fixed(1) is not None and arena.fixed_capacity_words == math.ceil(HEADROOM * 100_000)
 
 
 def test_not_growable_never_resizes():
     arena = Arena("cpu", 1 << 16, fixed_fraction=0.25, growable=False)
-    buffer_ptr = arena.values.words.data_ptr()
-    tensors = [relu_like(4096, 0.5, i) for i in range(7)]
-    run_step(arena, tensors, extra_fixed_words=10_000)  # both regions overflow
-    lease = arena.open_lease()
-    assert arena.capacity_bytes == 1 << 16
-    assert arena.fixed_capacity_words == 4096
-    assert arena.values.capacity == 12287
-    assert arena.values.words.data_ptr() == buffer_ptr
-    lease.release()
-    run_step(arena, tensors[:1])  # far under half: no shrinking either
-    arena.open_lease()
-    assert arena.capacity_bytes == 1 << 16
+    buffer = arena.values.words.data_ptr()
+    for fixed, values in [(10_000, 10**6), (1, 1), (0, 0)]:
+        assert arena.begin_step(fixed, values)
+        assert arena.reserve_fixed(1) is not None
+        assert (arena.capacity_bytes, arena.fixed_capacity_words, arena.values.capacity) == (1 << 16, 4096, 12287)
+        assert arena.values.words.data_ptr() == buffer
 
 
-def test_growth_keeps_the_last_report_chain_per_step():
-    arena = Arena("cpu", 4096, fixed_fraction=0.25)
-    # The second tensor is all zeros: it needs fixed words but no value words.
-    tensors = [relu_like(4096, 0.5), relu_like(4096, 1.0)]
-    # Step 1: the fixed region (256 words) takes only one tensor (129 words).
+def test_resize_refused_while_leased():
+    arena = Arena("cpu", 4096)
     lease = arena.open_lease()
-    store = Store(arena)
-    store(tensors[0])
-    assert arena.reserve_fixed(fixed_words(4096)) is None
+    with pytest.raises(RuntimeError, match="cannot be resized while its contents are leased"):
+        arena.resize(8192)
     lease.release()
-    # Step 2: grown; both fit, and reports start again at 0.
-    arena.open_lease()
-    assert arena.fixed_capacity_words >= HEADROOM * 2 * fixed_words(4096)
-    store = Store(arena)
-    compressed = [store(x) for x in tensors]
-    assert store.reports == [(0, 2048), (2048, 2048)]
-    assert_all_fit_exactly(compressed, tensors)
+    arena.resize(8192)
+    assert arena.capacity_bytes == 8192
 
 
 # --------------------------------------------------------------------------------------------
@@ -523,20 +452,29 @@ def test_growth_keeps_the_last_report_chain_per_step():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("window", [1, 3])
 def test_cuda_reports_arrive_through_report_slots(window):
+    from bitsparse.codecs import triton_codec
+
     arena = Arena("cuda", 64 << 20, window=window)
-    arena.open_lease()
     reports, compressed = [], []
     tensors = [relu_like(n, 0.5, n).cuda() for n in (4096, 100_000, 1, 300_000, 4096 * 7)]
-    for x in tensors:
+    for i, x in enumerate(tensors):
         fixed = arena.reserve_fixed(fixed_words(x.numel()))
-        report = arena.next_report()
-        compressed.append(compress(x, values=arena.values, fixed=fixed, report=report))
-        arena.submit(lambda start, end: reports.append((start, end)))
-        assert len(arena._pending) <= window  # older appends were waited for
+        measured = i == 2  # one measured append in between: not throttled, reported all the same
+        slot, report = arena.next_report(throttled=not measured)
+        if measured:
+            triton_codec.measure(x, arena.cursor, arena.appends, dtype_spec(x.dtype), GEOMETRY, False, report)
+            compressed.append(None)
+        else:
+            compressed.append(compress_into(x, triton_codec, GEOMETRY, arena.values, fixed, False, None, report))
+        arena.submit(slot, lambda start, end: reports.append((start, end)), throttled=not measured)
+        assert arena._throttled <= window  # older appends were waited for
     arena.drain()
     ends = [end for _, end in reports]
     assert [start for start, _ in reports] == [0] + ends[:-1]
-    assert ends == [int(c.base) + int(c.stream_words()) for c in compressed] and ends[-1] == int(arena.values.cursor)
-    assert arena.usage().values_demand == ends[-1] * WORD_BYTES
-    for c, x in zip(compressed, tensors):
+    stored = [(c, x) for c, x in zip(compressed, tensors) if c is not None]
+    assert [end for (_, end), c in zip(reports, compressed) if c is not None] == [
+        int(c.base) + int(c.stream_words()) for c, _ in stored
+    ]
+    assert ends[-1] == int(arena.cursor) and arena.usage().values_demand == ends[-1] * WORD_BYTES
+    for c, x in stored:
         assert_bitwise_equal(decompress(c), x)

@@ -16,6 +16,7 @@ from helpers import (
     assert_bitwise_equal,
     check_against_reference,
     check_successive_appends,
+    compress_with,
     dtype_id,
     from_patterns,
     generator,
@@ -30,7 +31,7 @@ from hypothesis import strategies as st
 
 from bitsparse import CompressedTensor, TileGeometry, ValueBuffer, compress, decompress
 from bitsparse.codecs import get_codec
-from bitsparse.compressed import decompress_unchecked
+from bitsparse.compressed import decompress_with
 from bitsparse.format import PACKED_TILE_FLAG, compressed_nbytes, dtype_spec
 
 BACKEND = "torch"
@@ -604,7 +605,7 @@ def test_nonzeros_counter():
     counter = torch.full((1,), 11, dtype=torch.int64)
     total = 11
     for x in xs:
-        c = compress(x, sign_pack=True, nonzeros=counter, backend=BACKEND)
+        c = compress_with(x, BACKEND, sign_pack=True, nonzeros=counter)
         total += c.nnz()
         assert int(counter) == total
     assert total == 11 + sum(int((int_view(x) != 0).sum()) for x in xs)
@@ -617,7 +618,7 @@ def test_fixed_words(sign_pack):
     n = g.fixed_nbytes(x.numel()) // 4
     assert n == 4 * (128 + 1)
     fixed = torch.full((n,), 0x5A5A5A5A, dtype=torch.int32)
-    c = compress(x, sign_pack=sign_pack, fixed=fixed, backend=BACKEND)
+    c = compress_with(x, BACKEND, sign_pack=sign_pack, fixed=fixed)
     # The masks, then the tile words, live in the given words.
     assert c.masks.data_ptr() == fixed.data_ptr()
     assert c.tile_words.data_ptr() == fixed.data_ptr() + 4 * 4 * 128
@@ -637,17 +638,19 @@ def test_decode_writes_the_square(dtype):
     g = generator("square", dtype)
     x = random_bits(3 * 4096 + 17, dtype, g).view(1, -1)
     x.view(dtype_spec(dtype).bits_dtype)[torch.rand(x.shape, generator=g) < 0.5] = 0
-    value, square = decompress_unchecked(compress(x, backend=BACKEND), get_codec(BACKEND, x.device), with_square=True)
+    value, square = decompress_with(compress(x, backend=BACKEND), get_codec(BACKEND, x.device), square=True)
     assert value.shape == square.shape == x.shape
     assert_bitwise_equal(value, x)
     assert_bitwise_equal(square, torch.square(x))
 
 
-def test_value_buffer_wrap_shares_a_cursor():
+def test_value_buffers_over_shared_counters_share_a_cursor():
     words = torch.full((1001,), 0x5A5A5A5A, dtype=torch.int32)
-    cursor = torch.zeros(1, dtype=torch.int64)
-    a, b = ValueBuffer.wrap(words, cursor), ValueBuffer.wrap(words, cursor)
-    assert a.capacity == b.capacity == 1000 and a.words is words and a.cursor is cursor
+    counters = torch.zeros(3, dtype=torch.int64)
+    a, b = ValueBuffer.over(words, counters), ValueBuffer.over(words, counters)
+    assert a.capacity == b.capacity == 1000 and a.words is words
+    cursor = counters[:1]
+    assert a.cursor.data_ptr() == b.cursor.data_ptr() == cursor.data_ptr()
     g = generator("wrap")
     xa = make_input(1500, torch.bfloat16, 0.4, g)
     xb = make_input(700, torch.float32, 0.5, g)
@@ -659,3 +662,82 @@ def test_value_buffer_wrap_shares_a_cursor():
         assert c.fits()
         check_against_reference(c, x, False)
         assert_bitwise_equal(decompress(c, backend=BACKEND), x)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared buffers: threads, overflow, reset; read-only compressed tensors
+
+
+def test_threads_sharing_a_value_buffer_store_every_tensor_exactly():
+    g = generator("threads")
+    tensors = [make_input(int(n), torch.float32, 0.5, g) for n in torch.randint(1, 20000, (400,), generator=g)]
+    buf = ValueBuffer(sum(TileGeometry().max_stream_words(x.numel(), 32) for x in tensors))
+    results: list = [None] * len(tensors)
+
+    def worker(first: int) -> None:
+        for i in range(first, len(tensors), 4):
+            results[i] = compress(tensors[i], values=buf, backend=BACKEND)
+
+    import threading
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ends = sorted((int(c.base), int(c.base + c.stream_words())) for c in results)
+    assert all(end <= start for (_, end), (start, _) in zip(ends, ends[1:])), "two appends overlap"
+    for c, x in zip(results, tensors):
+        assert c.fits()
+        assert_bitwise_equal(decompress(c, backend=BACKEND), x)
+
+
+def test_decompress_refuses_a_tensor_whose_values_did_not_fit():
+    x = make_input(40000, torch.float32, 0.5, generator("overflow"))
+    c = compress(x, values=ValueBuffer(100), backend=BACKEND)
+    assert not c.fits()
+    with pytest.raises(ValueError, match="did not fit its ValueBuffer"):
+        decompress(c, backend=BACKEND)
+
+
+def test_decompress_refuses_a_tensor_of_a_buffer_reset_since():
+    g = generator("reset")
+    x, y = make_input(5000, torch.float32, 0.5, g), make_input(5000, torch.float32, 0.3, g)
+    buf = ValueBuffer(10000)
+    c = compress(x, values=buf, backend=BACKEND)
+    buf.reset()
+    compress(y, values=buf, backend=BACKEND)  # overwrites x's values
+    with pytest.raises(ValueError, match="was reset since"):
+        decompress(c, backend=BACKEND)
+
+
+def test_a_compressed_tensor_is_read_only_and_checked():
+    import dataclasses
+
+    x = make_input(3 * 4096 + 5, torch.bfloat16, 0.5, generator("frozen"))
+    c = compress(x, backend=BACKEND)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.shape = torch.Size([4 * 4096])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.dtype = torch.float16
+    wrong = dataclasses.replace(c, shape=torch.Size([8 * 4096]))
+    with pytest.raises(ValueError, match="inconsistent"):
+        decompress(wrong, backend=BACKEND)
+    assert_bitwise_equal(decompress(c, backend=BACKEND), x)
+
+
+@pytest.mark.parametrize("sign_pack", [False, True], ids=["raw", "signpack"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_measure_moves_the_cursor_as_encode_does(dtype, sign_pack):
+    g = generator("measure", dtype, sign_pack)
+    xs = [make_input(n, dtype, z, g) for n, z in ((5000, 0.5), (1, 0.0), (3 * 4096, 0.9), (4096, 1.0))]
+    codec = get_codec(BACKEND, torch.device("cpu"))
+    counters = torch.zeros(3, dtype=torch.int64)
+    for x in xs:
+        before = int(counters[0])
+        report = torch.zeros(1, dtype=torch.int64)
+        codec.measure(x, counters[:1], counters[1:], dtype_spec(dtype), TileGeometry(), sign_pack, report)
+        words = int(compress(x, sign_pack=sign_pack, backend=BACKEND).stream_words())
+        assert int(counters[0]) - before == words
+        assert int(report) == int(counters[0]) + 1
+        assert counters[1:].tolist() == [0, 0]

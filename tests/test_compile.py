@@ -13,7 +13,7 @@ import contextlib
 
 import pytest
 import torch
-from test_hooks import MIN_NUMEL, assert_same_grads, mlp, mlp_input, train_step
+from test_hooks import OPTIONS, assert_same_grads, clean_session, mlp, mlp_input, train_step  # noqa: F401 (autouse fixture)
 
 import bitsparse
 
@@ -25,12 +25,12 @@ def test_compiled_forward_stays_exact(backend):
     compiled = torch.compile(model, backend=backend)
     expected = train_step(compiled, x, contextlib.nullcontext())
 
-    got = train_step(compiled, x, bitsparse.compressing(min_numel=MIN_NUMEL))
+    got = train_step(compiled, x, bitsparse.compressing(**OPTIONS))
     assert_same_grads(got, expected)
     s = bitsparse.stats()
     assert s.tensors_seen > 0 and s.tensors_compressed == 0  # no producer nodes to read
     assert s.tensors_skipped.get("not_relu_family", 0) > 0
 
-    got = train_step(compiled, x, bitsparse.compressing(min_numel=MIN_NUMEL, select="all"))
+    got = train_step(compiled, x, bitsparse.compressing(**OPTIONS, select="all"))
     assert_same_grads(got, expected)
     assert bitsparse.stats().tensors_compressed >= 1

@@ -85,6 +85,16 @@ _NOT_INTERPRETED = textwrap.dedent(
             raise SystemExit("no ValueError")
     # The default backend on the CPU is torch, which works.
     assert torch.equal(decompress(compress(x)), x)
+    # The training API refuses the backend when it is given, before any forward runs.
+    import bitsparse
+    for make in (lambda: bitsparse.compressing(backend="triton"), lambda: bitsparse.enable(backend="triton")):
+        try:
+            make()
+        except ValueError as e:
+            assert "TRITON_INTERPRET" in str(e), str(e)
+        else:
+            raise SystemExit("compressing(backend='triton') accepted without CUDA")
+    assert not bitsparse.is_enabled()
     print("OK")
     """
 )
@@ -136,58 +146,29 @@ def test_errors_leave_buffer_untouched():
 
 
 @pytest.mark.parametrize(
-    "fixed",
+    "words, counters",
     [
-        torch.zeros(4 * 129 - 1, dtype=torch.int32),
-        torch.zeros(4 * 129 + 1, dtype=torch.int32),
-        torch.zeros(4 * 129, dtype=torch.int64),
-        torch.zeros(4, 129, dtype=torch.int32),
-        torch.zeros(4 * 129, dtype=torch.int32, device="meta"),
+        (torch.zeros(0, dtype=torch.int32), torch.zeros(3, dtype=torch.int64)),
+        (torch.zeros(10, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)),
+        (torch.zeros(2, 5, dtype=torch.int32), torch.zeros(3, dtype=torch.int64)),
+        (torch.zeros(10, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)),
+        (torch.zeros(10, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)),
+        (torch.zeros(10, dtype=torch.int32), torch.zeros(3, dtype=torch.int64, device="meta")),
     ],
-    ids=["short", "long", "int64", "2d", "meta"],
+    ids=["empty", "int64-words", "2d-words", "int32-counters", "counters-shape", "counters-device"],
 )
-def test_compress_bad_fixed_words(fixed):
-    x = torch.ones(3 * 4096 + 17)
-    with pytest.raises(ValueError, match=r"fixed must be 516 contiguous int32 words on cpu"):
-        compress(x, fixed=fixed)
+def test_value_buffer_over_rejects(words, counters):
+    with pytest.raises(ValueError, match="words must be|counters must be"):
+        ValueBuffer.over(words, counters)
 
 
-@pytest.mark.parametrize(
-    "report",
-    [torch.zeros(1, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64, device="meta")],
-    ids=["int32", "shape", "meta"],
-)
-def test_compress_bad_report(report):
-    with pytest.raises(ValueError, match=r"report must be an int64 tensor of shape \(1,\) on cpu"):
-        compress(torch.ones(10), report=report)
+@pytest.mark.parametrize("capacity", [10.5, "100", None, True], ids=["float", "str", "None", "bool"])
+def test_value_buffer_capacity_of_the_wrong_type(capacity):
+    with pytest.raises(TypeError, match="capacity_words must be an int"):
+        ValueBuffer(capacity)
 
 
-@pytest.mark.parametrize(
-    "base",
-    [
-        torch.zeros(1, dtype=torch.int32),
-        torch.zeros(2, dtype=torch.int64),
-        torch.zeros(1, dtype=torch.int64, device="meta"),
-    ],
-    ids=["int32", "shape", "meta"],
-)
-def test_compress_bad_base(base):
-    with pytest.raises(ValueError, match=r"base must be an int64 tensor of shape \(1,\) on cpu"):
-        compress(torch.ones(10), base=base)
-
-
-@pytest.mark.parametrize(
-    "words, cursor",
-    [
-        (torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)),
-        (torch.zeros(10, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)),
-        (torch.zeros(2, 5, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)),
-        (torch.zeros(10, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)),
-        (torch.zeros(10, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)),
-        (torch.zeros(10, dtype=torch.int32), torch.zeros(1, dtype=torch.int64, device="meta")),
-    ],
-    ids=["empty", "int64-words", "2d-words", "int32-cursor", "cursor-shape", "cursor-device"],
-)
-def test_value_buffer_wrap_rejects(words, cursor):
-    with pytest.raises(ValueError, match="words must be|cursor must be"):
-        ValueBuffer.wrap(words, cursor)
+@pytest.mark.parametrize("values", [torch.zeros(10, dtype=torch.int32), 100, "buf"], ids=["tensor", "int", "str"])
+def test_compress_values_of_the_wrong_type(values):
+    with pytest.raises(TypeError, match="values must be a bitsparse.ValueBuffer"):
+        compress(torch.ones(10), values=values)

@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
-from test_hooks import MIN_NUMEL, mlp, mlp_input
+from test_hooks import OPTIONS, clean_session, mlp, mlp_input  # noqa: F401 (autouse fixture)
 
 import bitsparse
 
@@ -47,7 +47,7 @@ def test_fully_sharded_mlp_stays_exact(one_process_group):
         return [p.grad.full_tensor() for p in model.parameters()] + [x.grad.clone()]
 
     expected = gradients(contextlib.nullcontext())
-    got = gradients(bitsparse.compressing(min_numel=MIN_NUMEL))
+    got = gradients(bitsparse.compressing(**OPTIONS))
     assert len(got) == len(expected)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     s = bitsparse.stats()

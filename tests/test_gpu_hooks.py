@@ -108,7 +108,7 @@ def test_tensor_saved_on_another_stream_is_kept_dense():
 
     loss_fn().backward()
     reference, w.grad = w.grad, None
-    with bitsparse.compressing():
+    with bitsparse.compressing(capacity=64 << 20):  # an arena from the first step
         loss = loss_fn()
     loss.backward()
     stats = bitsparse.stats()
@@ -167,3 +167,85 @@ def test_cpu_suite_models_bf16_gradients_are_bit_identical(name):
     for _ in range(3):
         assert all(torch.equal(a, b) for a, b in zip(reference, step(True)))
     assert bitsparse.stats().tensors_compressed >= 1
+
+
+# --------------------------------------------------------------------------------------------
+# Never worse off: no step peaks above the same step without BitSparse
+
+
+class ResidualCNN(torch.nn.Module):
+    """A small ResNet: a stem, then residual blocks of conv-batchnorm-ReLU (in place)."""
+
+    def __init__(self, width=64, blocks=4):
+        super().__init__()
+        conv = lambda c_in, c_out, stride=1: torch.nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)  # noqa: E731
+        self.stem = torch.nn.Sequential(conv(3, width, 2), torch.nn.BatchNorm2d(width), torch.nn.ReLU(inplace=True))
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                conv(width, width), torch.nn.BatchNorm2d(width), torch.nn.ReLU(inplace=True),
+                conv(width, width), torch.nn.BatchNorm2d(width),
+            )
+            for _ in range(blocks)
+        )
+        self.head = torch.nn.Linear(width, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = torch.relu_(x + block(x))
+        return self.head(x.mean((2, 3)))
+
+
+def _cnn():
+    torch.manual_seed(0)
+    model = ResidualCNN().cuda().to(memory_format=torch.channels_last)
+    x = torch.randn(64, 3, 128, 128, device="cuda").to(memory_format=torch.channels_last)
+
+    def loss_fn():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return model(x).float().square().mean()
+
+    return model, loss_fn
+
+
+def _transformer():
+    torch.manual_seed(0)
+    config = GPTConfig(layers=4, dim=512, heads=4, head_dim=128, hidden=2048, vocab=8192)
+    model = GPT(config).cuda().to(torch.bfloat16)
+    tokens = torch.randint(config.vocab, (1, 4096), device="cuda")
+    return model, lambda: model(tokens, tokens)
+
+
+def _step_peaks(model, loss_fn, context, steps):
+    """Each step's peak of allocated memory, everything the process holds included (the
+    gradients, allocated by a step before, and BitSparse's arena)."""
+    peaks = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=False)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with context():
+            loss = loss_fn()
+        loss.backward()
+        del loss
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated())
+    return peaks
+
+
+ARENA_COUNTERS = 512
+"""The device memory of an arena that only measures (its cursor and scratch words, one block
+of the caching allocator): all a first step holds beyond what the model does."""
+
+
+@pytest.mark.parametrize("build", [_cnn, _transformer], ids=["resnet_style_cnn", "gpt"])
+def test_no_step_peaks_above_dense(build):
+    model, loss_fn = build()
+    bitsparse.reset()
+    dense = _step_peaks(model, loss_fn, torch.enable_grad, 3)  # the first allocates the gradients
+    assert dense[1] == dense[2]
+    peaks = _step_peaks(model, loss_fn, bitsparse.compressing, 4)
+    stats = bitsparse.stats()
+    assert stats.tensors_compressed > 0 and stats.fallbacks == {}, str(stats)
+    assert peaks[0] <= dense[2] + ARENA_COUNTERS, (peaks, dense)  # the first step measures
+    assert all(peak < dense[2] for peak in peaks[1:]), (peaks, dense)

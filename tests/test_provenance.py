@@ -11,10 +11,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_hooks import MIN_NUMEL, assert_same_grads, clean_session, train_step  # noqa: F401 (autouse fixture)
+from test_hooks import OPTIONS, alive, assert_same_grads, clean_session, train_step  # noqa: F401 (autouse fixture)
 
 import bitsparse
-from bitsparse import training
 from bitsparse.hooks.provenance import Provenance, classify_node, node_key, squared_input
 
 RELU, HIDDEN = Provenance.RELU, Provenance.HIDDEN
@@ -108,13 +107,13 @@ class HiddenOnView(nn.Module):
 
 
 def stats_per_step(model: nn.Module, steps: int, **options) -> list:
-    """Train ``steps`` steps under ``compressing(min_numel=MIN_NUMEL, **options)``, checking
+    """Train ``steps`` steps under ``compressing(**OPTIONS, **options)``, checking
     each step's gradients against a plain step; the stats of every step."""
     x = torch.randn(4, 16, 32, requires_grad=True)
     expected = train_step(model, x, contextlib.nullcontext())
     stats = []
     for _ in range(steps):
-        got = train_step(model, x, bitsparse.compressing(min_numel=MIN_NUMEL, **options))
+        got = train_step(model, x, bitsparse.compressing(**{**OPTIONS, **options}))
         assert_same_grads(got, expected)
         stats.append(bitsparse.stats())
     return stats
@@ -139,11 +138,34 @@ class MarkedHiddenOnView(HiddenOnView):
         return self.out(bitsparse.mark(getattr(self.fc(x), self.op)()))
 
 
-def test_a_marked_tensor_is_compressed_even_where_its_site_does_not_pay():
+def test_a_marked_tensor_whose_site_does_not_pay_is_kept_dense():
     steps = stats_per_step(MarkedHiddenOnView("sigmoid_"), 3)
-    # Step 1 stores sigmoid_'s save (hidden: tried) and shares it with the Linear's; from
-    # step 2 on that site is skipped, and the Linear's save, marked, is stored itself.
-    assert [s.tensors_compressed for s in steps] == [1, 1, 1]
+    # A mark says what to try; a site that does not shrink is kept dense from then on,
+    # marked or not: storing it would cost more than it saves.
+    assert [s.tensors_compressed for s in steps] == [1, 0, 0]
+    assert steps[-1].tensors_skipped["unprofitable_site"] == 2
+
+
+def test_a_relu_family_site_without_zeros_is_kept_dense():
+    """``clamp(min=0.5)`` is ReLU-family (never negative) but has no zeros: stored, it would
+    be larger than dense every step."""
+    torch.manual_seed(0)
+    fc, out = nn.Linear(32, 256), nn.Linear(256, 8)
+    model = nn.Sequential(fc, nn.Hardtanh(0.5, 1e9), out)
+    x = torch.randn(64, 32, requires_grad=True)
+    expected = train_step(model, x, contextlib.nullcontext())
+    steps = []
+    for options in ({}, {"capacity": "auto"}):  # an explicit arena, then one that follows demand
+        bitsparse.reset()
+        for _ in range(3):
+            assert_same_grads(train_step(model, x, bitsparse.compressing(**{**OPTIONS, **options})), expected)
+            steps.append(bitsparse.stats())
+    # Stored (explicit arena) or measured (the first step of an "auto" one), then kept dense;
+    # the arena that had no other use is released.
+    assert [s.tensors_compressed for s in steps] == [1, 0, 0, 0, 0, 0]
+    assert steps[3].fallbacks == {"arena_full": 1}
+    for s in steps[1:3] + steps[4:]:
+        assert s.tensors_skipped.get("unprofitable_site") == 1 and s.arena_reserved < 1024
 
 
 def test_an_overflow_does_not_teach_that_a_site_does_not_pay():
@@ -170,7 +192,7 @@ def test_squares_written_as_products_are_recomputed():
 
     model = Model()
     expected = train_step(model, x, contextlib.nullcontext())
-    got = train_step(model, x, bitsparse.compressing(min_numel=MIN_NUMEL))
+    got = train_step(model, x, bitsparse.compressing(**OPTIONS))
     assert_same_grads(got, expected)
     s = bitsparse.stats()
     assert (s.tensors_compressed, s.tensors_recomputed) == (1, 1)
@@ -192,5 +214,5 @@ def test_the_square_of_another_tensor_is_not_recomputed_from_a_stored_one():
         return [a.grad.clone(), b.grad.clone()]
 
     expected = run(contextlib.nullcontext())
-    assert_same_grads(run(bitsparse.compressing(min_numel=MIN_NUMEL)), expected)
-    assert training._session._live == 0
+    assert_same_grads(run(bitsparse.compressing(**OPTIONS)), expected)
+    assert alive() == 0

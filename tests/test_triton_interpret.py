@@ -21,6 +21,7 @@ from helpers import (  # noqa: E402
     assert_bitwise_equal,
     check_against_reference,
     check_successive_appends,
+    compress_with,
     dtype_id,
     from_patterns,
     generator,
@@ -31,8 +32,8 @@ from helpers import (  # noqa: E402
 )
 
 from bitsparse import TileGeometry, ValueBuffer, compress, decompress  # noqa: E402
-from bitsparse.codecs import get_codec, triton_codec  # noqa: E402
-from bitsparse.compressed import decompress_unchecked  # noqa: E402
+from bitsparse.codecs import get_codec, torch_codec, triton_codec  # noqa: E402
+from bitsparse.compressed import decompress_with  # noqa: E402
 from bitsparse.format import dtype_spec  # noqa: E402
 
 if not triton_codec.INTERPRETED:
@@ -122,7 +123,7 @@ def test_decode_writes_the_square():
     g = generator("square", torch.float32)
     x = random_bits(3 * 4096 + 17, torch.float32, g)
     x.view(torch.int32)[torch.rand(x.numel(), generator=g) < 0.5] = 0
-    value, square = decompress_unchecked(compress(x, backend="triton"), get_codec("triton", x.device), with_square=True)
+    value, square = decompress_with(compress(x, backend="triton"), get_codec("triton", x.device), square=True)
     assert_bitwise_equal(value, x)
     assert_bitwise_equal(square, torch.square(x))
 
@@ -262,7 +263,7 @@ def test_nonzeros_counter_and_fixed_words():
     for n, dtype, sign_pack in ((5000, torch.bfloat16, True), (4096, torch.float8_e5m2, False), (1, torch.float32, True)):
         x = make_input(n, dtype, 0.6, g)
         fixed = torch.full((TileGeometry().fixed_nbytes(n) // 4,), -1, dtype=torch.int32)
-        c = compress(x, sign_pack=sign_pack, backend="triton", nonzeros=counter, fixed=fixed)
+        c = compress_with(x, "triton", sign_pack=sign_pack, nonzeros=counter, fixed=fixed)
         assert c.masks.data_ptr() == fixed.data_ptr()
         total += int((int_view(x) != 0).sum())
         assert int(counter) == total
@@ -272,14 +273,6 @@ def test_nonzeros_counter_and_fixed_words():
 
 def test_successive_appends_report_their_ends():
     check_successive_appends("triton")
-
-
-def test_strided_fixed_words_are_rejected():
-    x = make_input(5000, torch.bfloat16, 0.5, generator("strided-fixed"))
-    n = TileGeometry().fixed_nbytes(x.numel()) // 4
-    fixed = torch.zeros(2 * n, dtype=torch.int32)[::2]
-    with pytest.raises(ValueError, match="contiguous int32 words"):
-        compress(x, fixed=fixed, backend="triton")
 
 
 def test_stream_bit_layout_packed_bf16():
@@ -319,3 +312,21 @@ def test_property_cross_decode(dtype, numel, zero_fraction, nonnegative, sign_pa
     x = from_patterns(u, dtype)
     cross_decode(encode_both(x, sign_pack, TileGeometry(tile_size)), x)
     assert int_view(x).numel() == numel
+
+
+@pytest.mark.parametrize("sign_pack", [False, True], ids=["raw", "signpack"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_measure_moves_the_cursor_as_encode_does(dtype, sign_pack):
+    """The Triton measure claims exactly the words the encoder appends, as the torch one does."""
+    g = generator("measure-triton", dtype, sign_pack)
+    xs = [make_input(n, dtype, z, g) for n, z in ((5000, 0.5), (1, 0.0), (9 * 4096 + 3, 0.9), (4096, 1.0), (0, 0.0))]
+    for codec in (triton_codec, torch_codec):
+        counters = torch.zeros(3, dtype=torch.int64)
+        for x in xs:
+            before = int(counters[0])
+            report = torch.zeros(1, dtype=torch.int64)
+            codec.measure(x, counters[:1], counters[1:], dtype_spec(dtype), TileGeometry(), sign_pack, report)
+            words = int(compress(x, sign_pack=sign_pack, backend="triton").stream_words()) if x.numel() else 0
+            assert int(counters[0]) - before == words
+            assert int(report) == int(counters[0]) + 1
+            assert counters[1:].tolist() == [0, 0]

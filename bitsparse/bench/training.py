@@ -110,7 +110,7 @@ def compare_modes(
         for mode in modes:
             model.zero_grad(set_to_none=False)
             device_sync()
-            arena = bitsparse.stats().arena_capacity if mode.startswith("bitsparse") else 0
+            arena = bitsparse.stats().arena_reserved if mode.startswith("bitsparse") else 0
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()

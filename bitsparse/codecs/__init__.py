@@ -18,6 +18,11 @@ device tensor. Neither entry point synchronizes with the host.
     is incremented by the number of stored elements (for statistics), and ``report`` (int64
     ``[1]``, zero) receives the new cursor plus one as the last thing the call writes.
 
+``measure(x, cursor, appends, spec, geometry, sign_pack, report=None)``
+    Advances ``cursor`` by the words ``encode`` would append for ``x`` and, when given,
+    reports the new cursor plus one in ``report``, as ``encode`` does; writes nothing else.
+    An allocator measures what it has no room for, to size itself for the next step.
+
 ``decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None)``
     Writes every element of ``out`` (a contiguous tensor of ``spec.dtype``, restored in
     flattened order). ``sign_pack`` says whether packed tiles may occur (a fast path when
@@ -62,6 +67,17 @@ class Codec(Protocol):
         geometry: TileGeometry,
         sign_pack: bool,
         nonzeros: torch.Tensor | None = None,
+        report: torch.Tensor | None = None,
+    ) -> None: ...
+
+    def measure(
+        self,
+        x: torch.Tensor,
+        cursor: torch.Tensor,
+        appends: torch.Tensor,
+        spec: DTypeSpec,
+        geometry: TileGeometry,
+        sign_pack: bool,
         report: torch.Tensor | None = None,
     ) -> None: ...
 

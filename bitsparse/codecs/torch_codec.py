@@ -65,32 +65,52 @@ def split_fixed(fixed: torch.Tensor, geometry: TileGeometry) -> tuple[torch.Tens
     return masks, fixed[num_tiles * geometry.mask_words :]
 
 
+def _tiles(x: torch.Tensor, spec: DTypeSpec, geometry: TileGeometry) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x``'s bit patterns as nonnegative int64, ``[num_tiles, tile_size]`` (the last tile
+    padded with zeros), and which of them are stored (nonzero)."""
+    num_tiles, tile = geometry.num_tiles(x.numel()), geometry.tile_size
+    bits = x.reshape(-1).view(spec.bits_dtype)
+    padded = torch.zeros(num_tiles * tile, dtype=torch.int64, device=x.device)
+    padded[: bits.numel()] = unsigned(bits, spec.bits)
+    padded = padded.view(num_tiles, tile)
+    return padded, padded != 0
+
+
+def _stream_lengths(padded, nonzero, spec: DTypeSpec, sign_pack: bool):
+    """Per tile: the number of stored values, whether they are sign-packed, their width in
+    bits and the stream words they take."""
+    counts = nonzero.sum(1)
+    if sign_pack:
+        negative = (padded >> (spec.bits - 1)).bool()
+        packed = ~(nonzero & negative).any(1)
+    else:
+        packed = torch.zeros(padded.shape[0], dtype=torch.bool, device=padded.device)
+    width = torch.where(packed, spec.packed_bits, spec.bits)
+    return counts, packed, width, (counts * width + WORD_BITS - 1) // WORD_BITS
+
+
+def measure(x, cursor, appends, spec, geometry, sign_pack, report=None):
+    padded, nonzero = _tiles(x, spec, geometry)
+    cursor.add_(_stream_lengths(padded, nonzero, spec, sign_pack)[3].sum())
+    if report is not None:
+        report.copy_(cursor + 1, non_blocking=True)
+
+
 def encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros=None, report=None):
     # One vectorised pass claims every tile's words at once: ``appends`` is not needed.
     masks, tile_words = split_fixed(fixed, geometry)
     num_tiles, tile = masks.shape[0], geometry.tile_size
     device = x.device
     base.copy_(cursor)
-    bits = x.reshape(-1).view(spec.bits_dtype)
-    padded = torch.zeros(num_tiles * tile, dtype=torch.int64, device=device)
-    padded[: bits.numel()] = unsigned(bits, spec.bits)
-    padded = padded.view(num_tiles, tile)
-    nonzero = padded != 0
+    padded, nonzero = _tiles(x, spec, geometry)
 
     shifts = torch.arange(WORD_BITS, device=device)
     mask_words = (nonzero.view(num_tiles, -1, WORD_BITS).long() << shifts).sum(-1)
     masks.copy_(wrap_signed(mask_words, torch.int32))
 
-    counts = nonzero.sum(1)
+    counts, packed, width, lengths = _stream_lengths(padded, nonzero, spec, sign_pack)
     if nonzeros is not None:
         nonzeros.add_(counts.sum())
-    if sign_pack:
-        negative = (padded >> (spec.bits - 1)).bool()
-        packed = ~(nonzero & negative).any(1)
-    else:
-        packed = torch.zeros(num_tiles, dtype=torch.bool, device=device)
-    width = torch.where(packed, spec.packed_bits, spec.bits)
-    lengths = (counts * width + WORD_BITS - 1) // WORD_BITS
     offsets = lengths.cumsum(0) - lengths
     tile_words.copy_(wrap_signed(offsets | (packed.long() << 31), torch.int32))
 

@@ -22,6 +22,10 @@ Decoding runs one program per tile (per quarter tile when tiles may be packed): 
 rank computation, then a gather (raw values) or a two-word funnel shift (packed values) for
 every set bit, and a dense store of the tile (and, when asked, of its square).
 
+Measuring (``measure``) counts each tile's stored values, as the encoder does, and claims the
+words they would take, eight tiles to a program with one atomic per program; it ends the append as
+the encoder does (the cursor moves, the report is written) and writes nothing else.
+
 The kernels are launched through their compiled form (``_Launcher``), which skips most of
 the host time of a Triton launch.
 
@@ -73,6 +77,10 @@ _ENCODE_UNSPECIALIZED = [
     "capacity", "num_tiles", "num_programs",
 ]  # fmt: skip
 _DECODE_UNSPECIALIZED = ["base_ptr", "num_tiles"]
+
+MEASURE_TILES_PER_PROGRAM = 8
+"""Tiles a measuring program counts before it adds their words to the claim, in one atomic."""
+_MEASURE_UNSPECIALIZED = ["cursor_ptr", "appends_ptr", "report_ptr", "num_programs"]
 
 
 @triton.jit
@@ -285,6 +293,39 @@ def _decode_kernel(
         tl.store(square_ptr + index, (wide * wide).to(out_ptr.dtype.element_ty), mask=index < numel)
 
 
+@triton.jit(do_not_specialize=_MEASURE_UNSPECIALIZED, do_not_specialize_on_alignment=_MEASURE_UNSPECIALIZED)
+def _measure_kernel(
+    x_ptr,
+    cursor_ptr,
+    appends_ptr,
+    report_ptr,
+    numel,
+    num_programs,
+    TILE: tl.constexpr,
+    BITS: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr,
+    SIGN_PACK: tl.constexpr,
+    REPORT: tl.constexpr,
+):
+    """Claim the words ``_encode_kernel`` would append for ``TILES_PER_PROGRAM`` tiles, and
+    end the append as it does: the cursor moves, nothing else is written."""
+    offsets = tl.arange(0, TILE)
+    base = tl.load(cursor_ptr)
+    words = tl.zeros([], dtype=tl.int32)
+    for i in tl.static_range(TILES_PER_PROGRAM):
+        index = (tl.program_id(0) * TILES_PER_PROGRAM + i) * TILE + offsets
+        x = _as_bits(tl.load(x_ptr + index, mask=index < numel, other=0), BITS)
+        nonzero = x != 0
+        count = tl.sum(nonzero.to(tl.int32), axis=0)
+        if SIGN_PACK:
+            width = tl.where(tl.max(tl.where(nonzero & (x < 0), 1, 0)) == 0, BITS - 1, BITS)
+        else:
+            width = BITS
+        words += (count * width + 31) // 32
+    tl.atomic_add(appends_ptr, words.to(tl.int64), sem="relaxed")
+    finish_append(appends_ptr, cursor_ptr, report_ptr, base, num_programs, REPORT)
+
+
 INTERPRETED = isinstance(_decode_kernel, InterpretedFunction)
 
 
@@ -363,6 +404,7 @@ _FAST_LAUNCH = (
 
 _encode_launcher = _Launcher(_encode_kernel, num_warps=ENCODE_NUM_WARPS)
 _decode_launcher = _Launcher(_decode_kernel, num_warps=DECODE_NUM_WARPS)
+_measure_launcher = _Launcher(_measure_kernel, num_warps=ENCODE_NUM_WARPS)
 
 # Faster kernels for some cases on NVIDIA GPUs (their module says why they are Gluon and
 # PTX). Gluon's API is experimental: they run on the Triton they were written and tested for.
@@ -536,6 +578,21 @@ def encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, n
     key = (x.dtype, _aligned(x), _aligned(stream), _aligned(fixed), _int_class(numel), _int_class(tiles_per_program))
     key += (capacity >= 1 << 31,) + constexprs
     _encode_launcher(programs, device, key, args)
+
+
+def measure(x, cursor, appends, spec, geometry, sign_pack, report=None):
+    x = _kernel_view(x)
+    numel = x.numel()
+    if numel == 0:
+        if report is not None:
+            report.copy_(cursor + 1, non_blocking=True)
+        return
+    tile = geometry.tile_size
+    programs = -(-numel // (tile * MEASURE_TILES_PER_PROGRAM))
+    constexprs = (tile, spec.bits, MEASURE_TILES_PER_PROGRAM, sign_pack, report is not None)
+    args = (x, cursor, appends, cursor if report is None else report, numel, programs) + constexprs
+    key = (x.dtype, _aligned(x), _int_class(numel)) + constexprs
+    _measure_launcher(programs, x.get_device(), key, args)
 
 
 def decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None):

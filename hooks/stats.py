@@ -1,0 +1,133 @@
+"""``Stats``, the accounting of one step, and how a step's counters are gathered."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+@dataclass
+class Stats:
+    """Accounting for one step: the one in progress, or the last finished one.
+
+    A step is one forward pass and its backward: it begins at the first saved tensor after
+    a backward (or at the entry of ``compressing()``), so the forwards of gradient
+    accumulation before one backward form one step.
+
+    Sizes are in bytes. ``dense_bytes`` is what the compressed tensors took dense and
+    ``stored_bytes`` what they take now (masks, tile words and values; a fallback counts
+    dense). ``ratio = dense_bytes / stored_bytes``. ``zero_fraction`` is over the compressed
+    tensors. Deduplicated and recomputed saves cost nothing and are counted apart.
+
+    ``tensors_skipped`` counts saved tensors kept as they are, by the first reason that
+    applies: ``small`` (fewer than ``min_numel`` elements), ``parameter`` (a parameter or a
+    view of one), ``not_relu_family`` (``select="relu"`` and neither a ReLU-family producer
+    nor a mark), ``dtype``, ``layout_or_device``, ``large`` (more elements than one
+    ``compress`` call takes), ``unprofitable_site`` (its save site shrank by less than 20%)
+    and ``overlapping_or_gapped`` (no permutation of the dims makes it contiguous).
+
+    ``fallbacks`` counts tensors that were to be compressed and are kept dense, by reason:
+    ``arena_full`` (no room left: the arena grows for the next step; on the first step, which
+    only measures, every candidate counts here) and ``other_stream`` (saved on another CUDA
+    stream than the step's first stored tensor).
+
+    ``arena_reserved`` is the device memory the arenas hold (all of it counts in a step's
+    peak), ``arena_peak`` what of it this step used, and ``window_waits`` how often the host
+    waited for the GPU to confirm a tensor (see ``Options.window``). ``tensors_alive`` is how
+    many compressed tensors, of any step, autograd still held when ``stats()`` was called.
+    """
+
+    step: int = 0
+    tensors_seen: int = 0
+    tensors_compressed: int = 0
+    tensors_deduplicated: int = 0
+    tensors_recomputed: int = 0
+    tensors_skipped: dict[str, int] = field(default_factory=dict)
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    dense_bytes: int = 0
+    stored_bytes: int = 0
+    zero_fraction: float = 0.0
+    arena_reserved: int = 0
+    arena_peak: int = 0
+    window_waits: int = 0
+    tensors_alive: int = 0
+
+    @property
+    def ratio(self) -> float:
+        return self.dense_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    def as_dict(self) -> dict:
+        """Every field, and ``ratio``."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["ratio"] = self.ratio
+        return d
+
+    def __str__(self) -> str:
+        mib = 1 << 20
+        skipped = ", ".join(f"{k} {v}" for k, v in sorted(self.tensors_skipped.items())) or "none"
+        fallbacks = ", ".join(f"{k} {v}" for k, v in sorted(self.fallbacks.items())) or "none"
+        return (
+            f"step {self.step}: {self.tensors_compressed}/{self.tensors_seen} saved tensors compressed "
+            f"(+{self.tensors_deduplicated} shared, {self.tensors_recomputed} recomputed), "
+            f"{self.dense_bytes / mib:.1f} MiB -> {self.stored_bytes / mib:.1f} MiB "
+            f"({self.ratio:.2f}x, {100 * self.zero_fraction:.1f}% zeros), "
+            f"arena {self.arena_peak / mib:.1f}/{self.arena_reserved / mib:.1f} MiB; "
+            f"skipped: {skipped}; fallbacks: {fallbacks}"
+        )
+
+
+class StepCollector:
+    """Counters of one step, filled in by packs and by the arenas' asynchronous reports.
+
+    ``sites`` sums, per save site, the bytes its tensors take dense and the arena words they
+    take or would take (measured ones included): what pays, and what the next step needs.
+    """
+
+    def __init__(self, step: int):
+        self.stats = Stats(step=step)
+        self.skipped: Counter = Counter()
+        self.fallbacks: Counter = Counter()
+        self.numel = 0
+        self.nonzeros: dict[torch.device, torch.Tensor] = {}
+        self.arenas: set = set()
+        self.leased = False
+        """Whether a tensor of this step was stored in an arena (not only measured)."""
+        self.sites: dict[tuple, list[int]] = {}
+
+    def nonzeros_counter(self, device: torch.device) -> torch.Tensor:
+        """The device counter the encoders of this step add their stored elements to."""
+        counter = self.nonzeros.get(device)
+        if counter is None:
+            counter = self.nonzeros[device] = torch.zeros(1, dtype=torch.int64, device=device)
+        return counter
+
+    def add_site(self, site: tuple, arena, dense_bytes: int, fixed_words: int, value_words: int) -> None:
+        """Count a tensor of ``site`` that took ``dense_bytes`` dense and takes (or would take)
+        ``fixed_words`` and ``value_words`` of ``arena``."""
+        totals = self.sites.get(site)
+        if totals is None:
+            self.sites[site] = [arena, dense_bytes, fixed_words, value_words]
+        else:
+            totals[1] += dense_bytes
+            totals[2] += fixed_words
+            totals[3] += value_words
+
+    def finish(self, tensors_alive: int, arena_reserved: int) -> Stats:
+        """The step's statistics; synchronizes once to read the device counters.
+
+        ``tensors_alive`` and ``arena_reserved`` describe the session now, all steps together.
+        """
+        for arena in self.arenas:
+            arena.drain()
+        s = self.stats
+        s.tensors_skipped, s.fallbacks = dict(self.skipped), dict(self.fallbacks)
+        nonzeros = sum(int(n) for n in self.nonzeros.values())
+        s.zero_fraction = 1 - nonzeros / self.numel if self.numel else 0.0
+        usages = [arena.usage() for arena in self.arenas]
+        s.arena_reserved = arena_reserved
+        s.arena_peak = sum(u.peak for u in usages)
+        s.window_waits = sum(u.window_waits for u in usages)
+        s.tensors_alive = tensors_alive
+        return s
