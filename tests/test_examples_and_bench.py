@@ -67,6 +67,13 @@ def test_training_suites_quick(tmp_path, suite, size_key):
     assert min(sparse) > 3
 
 
+def test_steps_suite_quick(tmp_path, capsys):
+    bench(["steps", "--quick", "--steps", "3", "--out", str(tmp_path)])
+    rows = read_csv(tmp_path / "steps.csv")
+    assert [(r["model"], r["step"]) for r in rows] == [("gpt", "1"), ("gpt", "2"), ("gpt", "3")]
+    assert "gpt: peak allocated per step" in capsys.readouterr().out
+
+
 def test_codec_suite_quick(tmp_path):
     bench(["codec", "--quick", "--out", str(tmp_path)])
     rows = read_csv(tmp_path / "codec.csv")

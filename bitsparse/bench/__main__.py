@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from bitsparse.bench import codec, gpt, mlp
+from bitsparse.bench import codec, gpt, mlp, steps
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> None:
     codec.add_arguments(suites.add_parser("codec", help="encode/decode bandwidth against a copy"))
     gpt.add_arguments(suites.add_parser("gpt", help="12-layer GPT: memory and step time per mode"))
     mlp.add_arguments(suites.add_parser("mlp", help="MLP stack: memory and step time per mode"))
+    steps.add_arguments(suites.add_parser("steps", help="peak memory of each of the first steps, dense and BitSparse"))
     args = parser.parse_args(argv)
     if args.suite == "codec" and args.sweep:
         codec.sweep(args)
@@ -22,6 +23,10 @@ def main(argv: list[str] | None = None) -> None:
         gpt.run(args)
     elif args.suite == "mlp":
         mlp.run(args)
+    elif args.suite == "steps" and args.child:
+        steps.child(args)
+    elif args.suite == "steps":
+        steps.run(args)
 
 
 if __name__ == "__main__":
