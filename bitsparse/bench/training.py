@@ -6,7 +6,8 @@ Modes: ``dense`` (plain autograd), ``checkpoint`` (non-reentrant checkpointing a
 
 Memory is the peak allocated during a step above what was allocated before its forward,
 counting the BitSparse arena at its full capacity. Times are medians over interleaved repeats
-(mode after mode, round after round), so drifts in clock or temperature hit every mode alike.
+(mode after mode, round after round), so drifts in clock or temperature hit every mode alike:
+the step's (CUDA events around forward and backward) and the host's time to run the forward.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ class ModeResult:
     mib_per_token: float
     step_ms: float
     step_ms_spread: float
+    forward_host_ms: float
+    """The host's time to run (queue) the forward: where it nears the forward's GPU time,
+    the host sets the step's pace."""
     overhead_pct: float
     grads_equal_dense: bool | None
     compression_ratio: float | None
@@ -92,12 +96,16 @@ def compare_modes(
     cuda = torch.cuda.is_available()
     device_sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    def step(mode: str) -> None:
+    def step(mode: str) -> float:
+        """One step; the host's time to run (queue) its forward, in ms."""
         model.set_checkpointing(mode == "checkpoint")
+        start = time.perf_counter()
         with mode_context(mode, **(bitsparse_options or {})):
             loss = loss_fn()
+        forward_ms = 1000 * (time.perf_counter() - start)
         loss.backward()
         model.set_checkpointing(False)
+        return forward_ms
 
     for _ in range(warmup):
         for mode in modes:
@@ -123,19 +131,20 @@ def compare_modes(
                 ratios[mode] = bitsparse.stats().ratio
 
     times: dict[str, list[float]] = {mode: [] for mode in modes}
+    forward_host: dict[str, list[float]] = {mode: [] for mode in modes}
     for _ in range(repeats):
         for mode in modes:
             model.zero_grad(set_to_none=False)
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                step(mode)
+                forward_host[mode].append(step(mode))
                 end.record()
                 end.synchronize()
                 times[mode].append(start.elapsed_time(end))
             else:
                 t0 = time.perf_counter()
-                step(mode)
+                forward_host[mode].append(step(mode))
                 times[mode].append(1000 * (time.perf_counter() - t0))
 
     # Some CUDA backward kernels (cuDNN attention) are nondeterministic even so: only when two
@@ -166,6 +175,7 @@ def compare_modes(
                 mib_per_token=mib / tokens,
                 step_ms=ms,
                 step_ms_spread=quartiles[2] - quartiles[0],
+                forward_host_ms=statistics.median(forward_host[mode]),
                 overhead_pct=100 * (ms / dense_ms - 1) if dense_ms else float("nan"),
                 grads_equal_dense=equal,
                 compression_ratio=ratios.get(mode),
@@ -176,13 +186,15 @@ def compare_modes(
 
 def print_table(title: str, results: list[ModeResult]) -> None:
     print(title)
-    print(f"  {'mode':<16}{'MiB':>10}{'MiB/token':>11}{'ms':>9}{'IQR':>7}{'vs dense':>10}{'ratio':>7}  grads")
+    print(
+        f"  {'mode':<16}{'MiB':>10}{'MiB/token':>11}{'ms':>9}{'IQR':>7}{'fwd host':>9}{'vs dense':>10}{'ratio':>7}  grads"
+    )
     for r in results:
         ratio = f"{r.compression_ratio:.2f}" if r.compression_ratio else "-"
         grads = {True: "equal", False: "DIFFER", None: "-"}[r.grads_equal_dense]
         print(
             f"  {r.mode:<16}{r.activation_mib:>10.0f}{r.mib_per_token:>11.4f}{r.step_ms:>9.1f}"
-            f"{r.step_ms_spread:>7.1f}{r.overhead_pct:>+9.1f}%{ratio:>7}  {grads}"
+            f"{r.step_ms_spread:>7.1f}{r.forward_host_ms:>9.1f}{r.overhead_pct:>+9.1f}%{ratio:>7}  {grads}"
         )
 
 
