@@ -9,11 +9,12 @@ arena is reused as soon as the step's graph is freed.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import threading
 
 import torch
 
+from bitsparse.hooks.compiled import hooks_for, steering
 from bitsparse.hooks.manager import Session
 from bitsparse.hooks.options import DEFAULT_MIN_NUMEL, Options
 from bitsparse.hooks.stats import Stats
@@ -89,10 +90,14 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
             window=window,
             recompute_squares=recompute_squares,
         )
-        super().__init__(functools.partial(_session.pack, self.options), _session.unpack)
+        super().__init__(*hooks_for(_session, self.options, _session.excluded_sites()))
+        self._steering = contextlib.ExitStack()
 
     def __enter__(self) -> "compressing":
         _session.begin_step()
+        # The step just begun may have learned save sites that compiled graphs now leave out.
+        self.pack_hook, self.unpack_hook = hooks_for(_session, self.options, _session.excluded_sites())
+        self._steering.enter_context(steering())
         super().__enter__()
         _local.depth = _depth() + 1
         return self
@@ -100,6 +105,7 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
     def __exit__(self, *exc) -> None:
         _local.depth -= 1
         super().__exit__(*exc)
+        self._steering.close()
         _session.poll()
 
 
@@ -194,14 +200,19 @@ def mark(t: torch.Tensor) -> torch.Tensor:
     """Flag ``t`` as a ReLU-family activation, for tensors a custom autograd Function saves.
 
     Call it on the tensor before ``ctx.save_for_backward`` (inside ``compressing()`` or
-    with ``enable()``); it returns ``t`` unchanged. Any tensor may be marked: the storage is
-    lossless whatever the values are, marking only decides what is worth compressing.
+    with ``enable()``), and save what it returns: ``t`` itself in eager mode; in code that
+    ``torch.compile`` traces, the output of a ``bitsparse::mark`` op, which carries the mark
+    into the graph (inductor compiles it to nothing; other backends copy). Any
+    tensor may be marked: the storage is lossless whatever the values are, marking only
+    decides what is worth compressing (a marked save site that does not shrink is kept dense).
 
     Raises:
         TypeError: ``t`` is not a tensor.
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"mark expects a torch.Tensor, got {type(t).__name__}")
+    if torch.compiler.is_compiling():
+        return torch.ops.bitsparse.mark(t)
     _session.marks.mark(t)
     return t
 

@@ -137,6 +137,35 @@ class Session:
             self._packed[id(t)] = weakref.ref(slot)
             return slot
 
+    def store_compiled(self, options: Options, t: torch.Tensor, site: str) -> StoredTensor:
+        """Store ``t``, which a compiled forward saves and selected at compile time (see
+        ``hooks/compiled.py``), as ``pack`` stores a tensor, with one slot. The compiled code
+        does not write over the memory of a buffer it freed (``hooks.compiled.steering``), so
+        the handle may keep ``t``'s as eager handles do."""
+        with self._lock:
+            if self._step_over():
+                self._begin_step()
+            collector = self._collector
+            collector.stats.tensors_seen += 1
+            order = memory_order(t)
+            if site in self._unprofitable or order is None:
+                collector.skipped["unprofitable_site" if order is not None else "overlapping_or_gapped"] += 1
+                return StoredTensor(None, t, None, None, None)
+            self._poll()
+            handle = self._store(t, order, options, options.sign_pack, site)
+            handle.slots = 1
+            return handle
+
+    def unpack_compiled(self, handle: StoredTensor) -> torch.Tensor:
+        """The tensor a compiled backward needs from ``handle``, bit for bit, in memory of its
+        own: the backward, compiled maybe outside BitSparse's hooks, may write over what it is
+        given, and a second backward needs the dense tensor again."""
+        self._backward_seen = True
+        with self._lock:
+            self._poll()
+            restored = handle.unpack()
+            return restored.clone() if handle.dense is not None else restored
+
     def unpack(self, packed) -> torch.Tensor:
         self._backward_seen = True
         if not isinstance(packed, Handle):  # a tensor kept as it is, and its version
@@ -182,6 +211,11 @@ class Session:
 
     # -- storing ----------------------------------------------------------------------------
 
+    def excluded_sites(self) -> frozenset:
+        """The compiled save sites learned not to pay, which compiled graphs do not select."""
+        with self._lock:
+            return frozenset(site for site in self._unprofitable if isinstance(site, str))
+
     def _arena(self, device: torch.device, options: Options) -> Arena:
         """The device's arena, resized when the options ask for another capacity (only
         while nothing it holds is alive) and set to their window."""
@@ -196,12 +230,14 @@ class Session:
                     arena.resize(_capacity_bytes(device, options.capacity))
         return arena
 
-    def _store(self, t: torch.Tensor, order, options: Options, sign_pack: bool, site: tuple) -> StoredTensor:
+    def _store(self, t: torch.Tensor, order, options: Options, sign_pack: bool, site) -> StoredTensor:
         """Compress ``t`` (permuted to ``order``, see ``memory_order``) into the device's
         arena. Where the arena has no room, ``t`` is kept dense and only measured, for the
         arena to grow for the next step; on another stream than the step's, it is kept.
 
-        A stored tensor's handle holds a lease on the arena until autograd releases it.
+        The handle keeps ``t``'s storage while it may be needed: until the arena confirms the
+        values fit, or for good where they do not. A stored tensor's handle holds a lease on
+        the arena until autograd releases it.
         """
         collector, stats = self._collector, self._collector.stats
         arena = self._arena(t.device, options)

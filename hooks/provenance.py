@@ -1,22 +1,27 @@
-"""Which saved tensors hold ReLU-family values, read from the autograd graph at pack time.
+"""Which saved tensors hold ReLU-family values, read from the graph that produced them.
 
-A pack hook sees the saved tensor with its ``grad_fn``: ReLU's saved result shows
-``ReluBackward0``, a square shows ``PowBackward0`` (exponent 2) or ``MulBackward0`` with the
-same input twice, and views show view nodes whose input leads to the producer. Reading that
-costs a few attribute lookups per saved tensor and nothing per op (a ``TorchFunctionMode``
-watching every op made the GPT step of docs/benchmarks.md 15% slower with nothing stored).
+One rule decides, for the two graphs a saved tensor can come from: the autograd graph of
+eager mode (the saved tensor's ``grad_fn``, read at pack time) and the FX graph of a compiled
+forward (the saved node, read when the graph is compiled). The rule is keyed by the op's name:
+``relu`` yields ReLU-family values; ``clamp_min``, ``clamp`` and ``hardtanh`` (also ``relu6``)
+do with a nonnegative lower bound; ``threshold`` does with a nonnegative threshold and a value
+of 0; a square (``pow`` with exponent 2, ``mul`` of a tensor by itself) of a ReLU-family tensor
+is one; and views and casts are looked through. Reading that costs a few attribute lookups per
+saved tensor and nothing per op (a ``TorchFunctionMode`` watching every op made the GPT step
+of docs/benchmarks.md 15% slower with nothing stored).
 
-One common case is hidden: an in-place op on a view (``fc(x).relu_()`` where ``fc`` returns
-a view of its 2-D product) appears as ``AsStridedBackward0`` -> ``CopySlices``, which wraps
-the op's node out of Python's sight; ``threshold``'s node does not keep its value either.
-Such tensors are ``HIDDEN``: worth trying, and the caller keeps compressing a save site only
-while it pays. ``mark()`` flags any other tensor.
+Autograd hides two cases that an FX graph shows: an in-place op on a view (``fc(x).relu_()``
+where ``fc`` returns a view of its 2-D product) appears as ``AsStridedBackward0`` ->
+``CopySlices``, which wraps the op's node out of Python's sight, and ``threshold``'s node does
+not keep its value. Such tensors are ``HIDDEN``: worth trying, and the caller keeps
+compressing a save site only while it pays. ``mark()`` flags any other tensor.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
+import operator
 import threading
 from dataclasses import dataclass
 
@@ -32,78 +37,80 @@ MAX_VIEW_DEPTH = 8
 
 class Provenance(enum.Enum):
     RELU = "relu"
-    """The producing node guarantees ReLU-family values (or the tensor was marked)."""
+    """The producing op guarantees ReLU-family values (or the tensor was marked)."""
     HIDDEN = "hidden"
     """Possibly ReLU-family: an in-place op on a view (hidden by CopySlices), or threshold."""
 
 
-# Nodes whose output holds (a subset of) their input's values, unchanged.
-_VALUE_PRESERVING = frozenset(
-    {
-        "AliasBackward0",
-        "AsStridedBackward0",
-        "AsStridedBackward1",
-        "CloneBackward0",
-        "ExpandBackward0",
-        "NarrowBackward0",
-        "PermuteBackward0",
-        "ReshapeAliasBackward0",
-        "SelectBackward0",
-        "SelectBackward1",
-        "SliceBackward0",
-        "SplitBackward0",
-        "SplitWithSizesBackward0",
-        "SqueezeBackward0",
-        "SqueezeBackward1",
-        "SqueezeBackward2",
-        "SqueezeBackward3",
-        "TBackward0",
-        "ToCopyBackward0",  # a cast keeps zeros zero and signs nonnegative
-        "TransposeBackward0",
-        "TransposeBackward1",
-        "UnbindBackward0",
-        "UnsafeViewBackward0",
-        "UnsqueezeBackward0",
-        "UnsqueezeBackward1",
-        "ViewBackward0",
-    }
-)
+# -- the rule, by op name ------------------------------------------------------------------
+
+OTHER, VIEW, HIDDEN, RELU, SQUARE = range(5)
+"""What an op means here."""
+_MISSING = object()
+"""A scalar the graph does not keep (autograd's threshold node drops its value)."""
 
 
 def _nonnegative(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
 
 
-# What a node type means here: a kind, or a rule that reads the node's saved scalars (not
-# its saved tensors: reading one would run the unpack hook, and decode).
-_OTHER, _VIEW, _HIDDEN, _RELU, _SQUARE = range(5)
-_RULES = {
-    "ReluBackward0": _RELU,
-    "ClampMinBackward0": lambda node: _RELU if _nonnegative(node._saved_min) else _OTHER,
-    "ClampBackward1": lambda node: _RELU if _nonnegative(node._saved_min) else _OTHER,
-    "HardtanhBackward0": lambda node: _RELU if _nonnegative(node._saved_min_val) else _OTHER,  # relu6 too
-    # CopySlices hides the in-place op on a view; threshold's node does not keep its value.
-    "CopySlices": _HIDDEN,
-    "ThresholdBackward0": _HIDDEN,
-    "PowBackward0": lambda node: _SQUARE if node._saved_exponent == 2 else _OTHER,
-    "MulBackward0": lambda node: _SQUARE if _same_edge_twice(node) else _OTHER,
-    **dict.fromkeys(_VALUE_PRESERVING, _VIEW),
+def _floor(name: str):
+    """ReLU-family when the op's lower bound ``name`` is nonnegative."""
+    return lambda node, graph: RELU if _nonnegative(graph.scalar(node, name)) else OTHER
+
+
+def _threshold(node, graph) -> int:
+    value = graph.scalar(node, "value")
+    if value is _MISSING:
+        return HIDDEN
+    return RELU if _nonnegative(graph.scalar(node, "threshold")) and value == 0 else OTHER
+
+
+def _pow(node, graph) -> int:
+    return SQUARE if graph.scalar(node, "exponent") == 2 else OTHER
+
+
+def _mul(node, graph) -> int:
+    return SQUARE if graph.same_input_twice(node) else OTHER
+
+
+# Ops whose output holds (a subset of) their input's values, unchanged (a cast keeps zeros zero
+# and signs nonnegative).
+_VIEW_OPS = (
+    "alias", "as_strided", "clone", "expand", "narrow", "permute", "reshape", "select", "slice", "split",
+    "split_with_sizes", "squeeze", "t", "transpose", "unbind", "unsqueeze", "view", "_unsafe_view", "_to_copy",
+    "convert_element_type", "getitem", "_reshape_alias", "detach",
+)  # fmt: skip
+OP_RULES = {
+    "relu": RELU,
+    "clamp_min": _floor("min"),
+    "clamp": _floor("min"),
+    "hardtanh": _floor("min_val"),
+    "threshold": _threshold,
+    "pow": _pow,
+    "mul": _mul,
+    "copy_slices": HIDDEN,  # autograd's wrapper of an in-place op on a view
+    "mark": RELU,  # bitsparse.mark in a compiled graph (hooks/compiled.py)
+    **dict.fromkeys(_VIEW_OPS, VIEW),
 }
-_rule_of_class: dict[type, object] = {}
-"""``_RULES`` by node class: every pack looks its saved tensor's node up here."""
+"""The rule: an op's name to what it means, or to a function of the node and its graph."""
 
 
-def _same_edge_twice(node) -> bool:
-    (a, i), (b, j) = node.next_functions
-    return a is not None and a is b and i == j
-
-
-def _kind(node) -> int:
-    cls = type(node)
-    rule = _rule_of_class.get(cls)
-    if rule is None:
-        rule = _rule_of_class[cls] = _RULES.get(cls.__name__, _OTHER)
-    return rule if rule.__class__ is int else rule(node)
+def _classify(node, graph) -> Provenance | None:
+    """The provenance of the values ``node`` outputs, looking back through views and squares
+    (the square of a ReLU-family tensor is one too)."""
+    for _ in range(MAX_VIEW_DEPTH):
+        if node is None:
+            return None
+        kind = graph.kind(node)
+        if kind == OTHER:
+            return None
+        if kind == RELU:
+            return Provenance.RELU
+        if kind == HIDDEN:
+            return Provenance.HIDDEN
+        node = graph.input(node)
+    return None
 
 
 @dataclass(frozen=True)
@@ -122,33 +129,124 @@ class Square:
         return torch.mul(x, x) if self.exponent is None else torch.pow(x, self.exponent)
 
 
+# -- autograd graphs -------------------------------------------------------------------------
+
+_AUTOGRAD_OPS = {
+    "ReluBackward0": "relu",
+    "ClampMinBackward0": "clamp_min",
+    "ClampBackward1": "clamp",
+    "HardtanhBackward0": "hardtanh",
+    "ThresholdBackward0": "threshold",
+    "PowBackward0": "pow",
+    "MulBackward0": "mul",
+    "CopySlices": "copy_slices",
+    **dict.fromkeys(
+        (
+            "AliasBackward0", "AsStridedBackward0", "AsStridedBackward1", "CloneBackward0", "ExpandBackward0",
+            "NarrowBackward0", "PermuteBackward0", "ReshapeAliasBackward0", "SelectBackward0", "SelectBackward1",
+            "SliceBackward0", "SplitBackward0", "SplitWithSizesBackward0", "SqueezeBackward0", "SqueezeBackward1",
+            "SqueezeBackward2", "SqueezeBackward3", "TBackward0", "ToCopyBackward0", "TransposeBackward0",
+            "TransposeBackward1", "UnbindBackward0", "UnsafeViewBackward0", "UnsqueezeBackward0",
+            "UnsqueezeBackward1", "ViewBackward0",
+        ),
+        "view",
+    ),  # fmt: skip
+}
+"""Autograd node classes by the op whose backward they are."""
+
+
+class _Autograd:
+    """How the rule reads an autograd node: its saved scalars (never its saved tensors:
+    reading one would run the unpack hook, and decode) and its first input edge."""
+
+    _rules: dict[type, object] = {}
+    """The rule by node class: every pack looks its saved tensor's node up here."""
+
+    @classmethod
+    def kind(cls, node) -> int:
+        rule = cls._rules.get(type(node))
+        if rule is None:
+            rule = cls._rules[type(node)] = OP_RULES.get(_AUTOGRAD_OPS.get(type(node).__name__), OTHER)
+        return rule if rule.__class__ is int else rule(node, cls)
+
+
+    @staticmethod
+    def scalar(node, name: str):
+        return getattr(node, "_saved_" + name, _MISSING)
+
+    @staticmethod
+    def same_input_twice(node) -> bool:
+        (a, i), (b, j) = node.next_functions
+        return a is not None and a is b and i == j
+
+    @staticmethod
+    def input(node):
+        return node.next_functions[0][0]
+
+
+def classify_node(node) -> Provenance | None:
+    """The provenance of the values an autograd node outputs (a saved tensor's ``grad_fn``)."""
+    return _classify(node, _Autograd)
+
+
 def squared_input(node) -> tuple[tuple, Square] | None:
-    """The ``(node, output_nr)`` edge whose value ``node`` squares, and how; or None.
+    """The ``(node, output_nr)`` edge whose value the autograd ``node`` squares, and how; or
+    None.
 
     ``torch.square``, ``** 2`` and ``pow(2)`` are ``PowBackward0`` with exponent 2; ``x * x``
     is ``MulBackward0`` with the same edge twice.
     """
-    if node is None or _kind(node) != _SQUARE:
+    if node is None or _Autograd.kind(node) != SQUARE:
         return None
     square = Square(None) if type(node).__name__ == "MulBackward0" else Square(node._saved_exponent)
     return node.next_functions[0], square
 
 
-def classify_node(node) -> Provenance | None:
-    """The provenance of the values ``node`` outputs, looking back through views and squares
-    (the square of a ReLU-family tensor is one too)."""
-    for _ in range(MAX_VIEW_DEPTH):
-        if node is None:
-            return None
-        kind = _kind(node)
-        if kind == _OTHER:
-            return None
-        if kind == _RELU:
-            return Provenance.RELU
-        if kind == _HIDDEN:
-            return Provenance.HIDDEN
-        node = node.next_functions[0][0]
-    return None
+# -- FX graphs -------------------------------------------------------------------------------
+
+
+class _FX:
+    """How the rule reads a node of an FX graph of ATen ops (a compiled forward)."""
+
+    @staticmethod
+    def kind(node) -> int:
+        if node.op != "call_function":
+            return OTHER
+        name = "getitem" if node.target is operator.getitem else getattr(node.target, "_opname", None)
+        rule = OP_RULES.get(name, OTHER)
+        return rule if rule.__class__ is int else rule(node, _FX)
+
+    @staticmethod
+    def scalar(node, name: str):
+        schema = getattr(node.target, "_schema", None)
+        if schema is None:
+            return _MISSING
+        if name in node.kwargs:
+            return node.kwargs[name]
+        for i, argument in enumerate(schema.arguments):
+            if argument.name == name:
+                if i < len(node.args):
+                    return node.args[i]
+                return argument.default_value if argument.has_default_value() else _MISSING
+        return _MISSING
+
+    @staticmethod
+    def same_input_twice(node) -> bool:
+        return len(node.args) >= 2 and isinstance(node.args[0], torch.fx.Node) and node.args[0] is node.args[1]
+
+    @staticmethod
+    def input(node):
+        return node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+
+
+def classify_fx_node(node: torch.fx.Node) -> Provenance | None:
+    """The provenance of the values an FX node of ATen ops outputs."""
+    return _classify(node, _FX)
+
+
+def fx_kind(node: torch.fx.Node) -> int:
+    """What an FX node's op means to the rule (``OTHER``, ``VIEW``, ``RELU``, ``SQUARE``...)."""
+    return _FX.kind(node)
 
 
 _thread_serials = itertools.count()

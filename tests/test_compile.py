@@ -1,10 +1,9 @@
-"""BitSparse around a ``torch.compile``d forward, next to the eager numerics tests.
+"""BitSparse inside ``torch.compile``, next to the eager numerics tests: the ReLU-family tensors a
+compiled forward saves are compressed in the compiled graph and restored in the compiled
+backward, with gradients bit-identical to the same compiled model without BitSparse.
 
-Compiling is not supported yet (docs/design.md, "Threads, devices, and other machinery"):
-a compiled forward saves its tensors from one autograd node, without the nodes that
-produced them, so the default selection finds no ReLU and ``select="all"`` compresses what
-pays. Either way the gradients must be exactly those of the compiled model without
-BitSparse.
+Inductor runs on the CPU here. Each test compiles its model with a compile counter, so that
+it also checks that steps under ``compressing()`` do not compile again.
 """
 
 from __future__ import annotations
@@ -13,24 +12,253 @@ import contextlib
 
 import pytest
 import torch
-from test_hooks import OPTIONS, assert_same_grads, clean_session, mlp, mlp_input, train_step  # noqa: F401 (autouse fixture)
+import torch.nn as nn
+from test_hooks import (  # noqa: F401 (clean_session: autouse fixture)
+    OPTIONS,
+    Block,
+    CustomMLP,
+    alive,
+    assert_same_grads,
+    clean_session,
+    convnet,
+    expected_nbytes,
+    image_input,
+    mlp,
+    mlp_input,
+    sequence_input,
+    train_step,
+    transformer,
+)
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import bitsparse
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_forward_stays_exact(backend):
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
     torch._dynamo.reset()
-    model, x = mlp(), mlp_input()
-    compiled = torch.compile(model, backend=backend)
+    yield
+    torch._dynamo.reset()
+
+
+def compiled_steps(model, x, steps=3, compile=None, **options):
+    """The compiled model's plain gradients, then ``steps`` steps under ``compressing()`` with
+    the same gradients bit for bit; their stats and the number of frames compiled."""
+    counter = CompileCounterWithBackend("inductor")
+    compiled = compile(model, counter) if compile else torch.compile(model, backend=counter)
     expected = train_step(compiled, x, contextlib.nullcontext())
+    frames = counter.frame_count
+    stats = []
+    for _ in range(steps):
+        assert_same_grads(train_step(compiled, x, bitsparse.compressing(**{**OPTIONS, **options})), expected)
+        stats.append(bitsparse.stats())
+    return stats, counter.frame_count - frames, counter
 
-    got = train_step(compiled, x, bitsparse.compressing(**OPTIONS))
-    assert_same_grads(got, expected)
-    s = bitsparse.stats()
-    assert s.tensors_seen > 0 and s.tensors_compressed == 0  # no producer nodes to read
-    assert s.tensors_skipped.get("not_relu_family", 0) > 0
 
-    got = train_step(compiled, x, bitsparse.compressing(**OPTIONS, select="all"))
-    assert_same_grads(got, expected)
-    assert bitsparse.stats().tensors_compressed >= 1
+def fullgraph(model, counter):
+    return torch.compile(model, backend=counter, fullgraph=True)
+
+
+def test_compiled_mlp_compresses_its_relu_outputs_exactly():
+    model, x = mlp(), mlp_input()
+    stats, frames, _ = compiled_steps(model, x, steps=5)
+    assert frames == 1  # once for the hooks, then never again
+    # The two ReLU outputs, stored in the arena with the bytes the format gives them.
+    h1 = torch.relu(model[0](x)).detach()
+    h2 = torch.relu(model[2](h1)).detach()
+    nbytes = expected_nbytes(h1)[0] + expected_nbytes(h2)[0]
+    for s in stats:
+        assert (s.tensors_seen, s.tensors_compressed, s.fallbacks) == (2, 2, {})
+        assert s.dense_bytes == h1.numel() * 4 + h2.numel() * 4 and s.stored_bytes == nbytes
+    assert alive() == 0
+
+
+@pytest.mark.parametrize("variant", [0, 1, 2], ids=["relu_square", "square_of_relu", "inplace_relu_on_a_view_pow"])
+def test_compiled_relu_squared_block_saves_the_relu_and_recomputes_the_square(variant):
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(32, variant, nn.LayerNorm))
+    stats, frames, _ = compiled_steps(model, sequence_input())
+    assert frames == 1
+    for s in stats:
+        # Only the ReLU output is stored: the partitioner recomputes its square from it.
+        assert (s.tensors_seen, s.tensors_compressed, s.fallbacks) == (1, 1, {}), str(s)
+        assert s.dense_bytes == 4 * 16 * 128 * 4
+
+
+def test_compiled_transformer_stack_whole_and_per_block():
+    whole, frames, _ = compiled_steps(transformer(), sequence_input(), compile=fullgraph)
+    assert frames == 1
+    assert [s.tensors_compressed for s in whole] == [3, 3, 3]
+
+    def per_block(model, counter):
+        for block in model:
+            block.compile(backend=counter)
+        return model
+
+    torch._dynamo.reset()
+    blocks, frames, _ = compiled_steps(transformer(), sequence_input(), compile=per_block)
+    assert frames == 3  # the three blocks once each (the final LayerNorm saves nothing to compress)
+    assert [s.tensors_compressed for s in blocks] == [3, 3, 3]
+
+
+def test_eager_and_compiled_parts_in_one_model():
+    model = transformer()
+    stats, frames, _ = compiled_steps(model, sequence_input(), compile=lambda m, c: mixed(m, c))
+    assert frames == 1
+    # The compiled block's ReLU output and the eager blocks' (each stored once).
+    assert [s.tensors_compressed for s in stats] == [3, 3, 3]
+
+
+def mixed(model, counter):
+    model[1] = torch.compile(model[1], backend=counter)
+    return model
+
+
+def test_compiled_convnet_with_inplace_relu():
+    model, x = convnet(), image_input()
+    stats, frames, _ = compiled_steps(model, x)
+    assert frames == 1
+    # The partitioner keeps a one-byte mask for the first ReLU's backward (MaxPool2d saves its
+    # indices) and the second ReLU's output, which is stored.
+    assert [s.tensors_compressed for s in stats] == [1, 1, 1]
+
+
+def test_compiled_arena_that_is_full_stays_exact():
+    stats, _, _ = compiled_steps(mlp(), mlp_input(), capacity=4096)
+    assert stats[0].fallbacks.get("arena_full", 0) > 0  # kept dense: a copy the graph cannot reuse
+    assert stats[-1].fallbacks == {} and stats[-1].tensors_compressed == 2  # the arena grew
+
+
+def test_first_compiled_step_with_an_arena_that_follows_demand():
+    stats, _, _ = compiled_steps(mlp(), mlp_input(), capacity="auto")
+    assert stats[0].tensors_compressed == 0 and stats[0].fallbacks == {"arena_full": 2}
+    assert [s.tensors_compressed for s in stats[1:]] == [2, 2]
+
+
+def test_changing_options_compiles_once_per_new_option_set():
+    model, x = mlp(), mlp_input()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter)
+    expected = train_step(compiled, x, contextlib.nullcontext())
+    frames = []
+    for options in ({}, {}, {"sign_pack": True}, {"sign_pack": True}, {}, {"sign_pack": True}):
+        assert_same_grads(train_step(compiled, x, bitsparse.compressing(**OPTIONS, **options)), expected)
+        assert bitsparse.stats().tensors_compressed == 2
+        frames.append(counter.frame_count)
+    assert frames == [2, 2, 3, 3, 3, 3]  # one compile per option set, then none
+    train_step(compiled, x, contextlib.nullcontext())  # and none when leaving BitSparse
+    assert counter.frame_count == 3
+
+
+def test_select_all_learns_and_compiles_once_more_without_the_sites_that_do_not_pay():
+    model, x = convnet(), image_input()
+    stats, frames, _ = compiled_steps(model, x, steps=4, select="all")
+    assert stats[0].tensors_seen > stats[-1].tensors_seen == stats[-1].tensors_compressed == 1
+    assert frames == 2
+
+
+class CompiledReLU(torch.autograd.Function):
+    """A custom Function whose forward saves a ReLU output: traced by the compiled graph."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.relu(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * (y > 0)
+
+
+class FusedLinearReLUSquare(torch.autograd.Function):
+    """In the style of Modded-NanoGPT's fused MLP: the forward saves the squared output itself,
+    which the author marks (no ReLU op is left for the rule to see)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2):
+        pre = x @ w1
+        post = bitsparse.mark(torch.where(pre > 0, pre, 0.0) ** 2)
+        ctx.save_for_backward(x, w1, w2, pre, post)
+        return post @ w2
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w1, w2, pre, post = ctx.saved_tensors
+        grad_post = grad @ w2.t()
+        grad_pre = grad_post * 2 * torch.where(pre > 0, pre, 0.0)
+        return grad_pre @ w1.t(), x.t() @ grad_pre, post.t() @ grad
+
+
+@pytest.mark.parametrize("function", ["relu", "fused_marked"])
+def test_custom_function_traced_by_a_compiled_graph(function):
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 256)
+    w1, w2 = nn.Parameter(torch.randn(32, 256) / 8), nn.Parameter(torch.randn(256, 10) / 16)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.w1, self.w2 = lin, w1, w2
+
+        def forward(self, x):
+            if function == "relu":
+                return CompiledReLU.apply(self.lin(x)) @ self.w2
+            return FusedLinearReLUSquare.apply(x, self.w1, self.w2)
+
+    stats, frames, _ = compiled_steps(Model(), mlp_input(), compile=fullgraph)
+    assert frames == 1
+    assert [s.tensors_compressed for s in stats] == [1, 1, 1]
+
+
+def test_marked_tensor_in_eager_mode_is_the_tensor_itself():
+    model, x = CustomMLP(use_mark=True), mlp_input()
+    for _ in range(2):
+        train_step(model, x, bitsparse.compressing(**OPTIONS))
+        assert bitsparse.stats().tensors_compressed == 1
+
+
+def test_cuda_graphs_are_refused_with_the_alternative():
+    compiled = torch.compile(mlp(), mode="reduce-overhead")
+    with pytest.raises(Exception, match=r"does not support CUDA graphs.*max-autotune-no-cudagraphs"):
+        train_step(compiled, mlp_input(), bitsparse.compressing(**OPTIONS))
+    assert alive() == 0
+    # The library still works afterwards.
+    stats, _, _ = compiled_steps(mlp(), mlp_input())
+    assert stats[-1].tensors_compressed == 2
+
+
+def test_graphs_compiled_under_bitsparse_keep_freed_buffers():
+    """A handle keeps a stored tensor's memory until its fit is confirmed: compiled code must
+    not reuse or overwrite buffers, while BitSparse's hooks are installed, and only then."""
+    import torch._inductor.config as config
+
+    assert config.allow_buffer_reuse and config.inplace_buffers
+    with bitsparse.compressing(**OPTIONS):
+        assert not config.allow_buffer_reuse and not config.inplace_buffers
+    assert config.allow_buffer_reuse and config.inplace_buffers
+
+
+_COMPILE_INSIDE = """
+import sys, torch, torch.nn as nn, bitsparse
+assert "torch._inductor" not in sys.modules
+model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 10))
+x = torch.randn(64, 32)
+with bitsparse.compressing(min_numel=1024, capacity=1 << 20):
+    loss = torch.compile(model)(x).sum()  # inductor is loaded here, inside the block
+    import torch._inductor.config as config
+    assert not config.allow_buffer_reuse and not config.inplace_buffers
+loss.backward()
+assert config.allow_buffer_reuse and config.inplace_buffers
+assert bitsparse.stats().tensors_compressed == 1, bitsparse.stats()
+print("OK")
+"""
+
+
+def test_a_compile_that_loads_inductor_inside_the_block_is_steered_too():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _COMPILE_INSIDE], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stdout + result.stderr

@@ -1,0 +1,273 @@
+"""BitSparse inside ``torch.compile``: the saved-tensor hooks as graphs AOTAutograd inlines.
+
+AOTAutograd inlines saved-tensor hooks into a compiled forward and backward when both hooks
+are ``torch.fx.GraphModule``s: for each tensor the forward saves, it traces the pack hook into
+the forward's epilogue and the unpack hook into the backward's prologue (a private mechanism of
+``torch._functorch._aot_autograd.graph_compile``; this module is the only place that relies on
+it). While it traces them, ``_get_saved_tensor_hook_context()`` names the saved FX node, so the
+choice of what to compress is made once, at compile time, by the same rule as in eager mode
+(``provenance.classify_fx_node``): a selected tensor's pack becomes a ``bitsparse::store`` op,
+its unpack a ``bitsparse::restore`` op, and every other saved tensor passes through untouched,
+with no Python at run time. Eager autograd calls the same two objects as plain hooks, which go
+straight to the eager path (``Session.pack``/``unpack``).
+
+The ops are Python custom ops: ``store`` hands the tensor to the session, which compresses it
+into the device's arena exactly as in eager mode (measured when there is no room, confirmed
+asynchronously, leases, statistics) and returns a *key*, a one-element CPU tensor naming the
+handle; ``restore`` decodes the handle the key names. The compiled graph saves only the key,
+so the handle lives exactly as long as the graph's saved tensors do. As in eager mode, a
+handle keeps the tensor's memory until the arena confirms that its values fit (and for good
+where they do not); compiled code would write over a buffer once past its last use (inductor
+reuses buffers and computes in place), so while BitSparse's hooks are installed, graphs are
+compiled without that (``allow_buffer_reuse`` and ``inplace_buffers`` off): a freed buffer
+goes back to the caching allocator, which does not hand out memory a handle still holds.
+
+The partitioner decides what a compiled forward saves; left alone, for ``fc2(relu(fc1(x)) **
+2)`` it saves the dense pre-activation and the square and recomputes the ReLU. ``steer`` is a
+joint-graph pass (``torch._functorch.config.joint_custom_pass``, installed while BitSparse's
+hooks are) that marks each ReLU-family node that would be compressed ``MUST_SAVE`` and the
+squares of it ``PREFER_RECOMPUTE``, the tags selective activation checkpointing gives the
+partitioner: the ReLU output is saved, and compressed, and its square is recomputed from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import sys
+import threading
+import weakref
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from bitsparse.compressed import MAX_NUMEL
+from bitsparse.format import SUPPORTED_DTYPES
+from bitsparse.hooks.options import Options
+from bitsparse.hooks.provenance import RELU, SQUARE, Provenance, classify_fx_node, fx_kind
+
+_hook_pairs: dict[tuple, tuple] = {}
+"""The hook pair of each (session, options, excluded sites): the same objects every time, so
+that a compiled graph, which guards on them, is not compiled again."""
+_installed: dict[int, tuple] = {}
+"""Hook pairs by number, for the ops (which take plain values) to find their session and
+options."""
+_numbers = itertools.count()
+_handles: dict[int, tuple] = {}
+"""The (session, handle) pair each key of a compiled graph names, while the key lives."""
+_keys = itertools.count()
+_AOT_GRAPH_COMPILE = "torch._functorch._aot_autograd.graph_compile"
+
+
+def _hook_context() -> dict | None:
+    """What AOTAutograd says of the saved tensor whose hooks it is tracing (its FX node), or
+    None outside that tracing. Importing the module that knows is slow, and nothing can be
+    compiling before it is imported."""
+    graph_compile = sys.modules.get(_AOT_GRAPH_COMPILE)
+    return None if graph_compile is None else graph_compile._get_saved_tensor_hook_context()
+
+
+def hooks_for(session, options: Options, excluded: frozenset) -> tuple:
+    """The ``(pack, unpack)`` hook pair of ``session`` with ``options``, selecting in compiled
+    graphs no save site in ``excluded``."""
+    key = (id(session), options, excluded)
+    pair = _hook_pairs.get(key)
+    if pair is None:
+        number = next(_numbers)
+        _installed[number] = (session, options, excluded)
+        pack = _Hook(lambda t: session.pack(options, t), lambda t: _trace_pack(t, number, options, excluded))
+        pack.selection = (options, excluded)
+        pair = _hook_pairs[key] = (pack, _Hook(session.unpack, _trace_unpack))
+    return pair
+
+
+class _Hook(torch.fx.GraphModule):
+    """A saved-tensor hook that is a GraphModule, so that AOTAutograd inlines it: called while
+    a compiled graph's hooks are traced, it runs ``traced`` (which records ops); called by
+    eager autograd, it runs ``eager`` directly."""
+
+    selection: tuple[Options, frozenset] | None = None
+    """The options and excluded sites of a pack hook, which the partitioner's steering reads."""
+
+    def __init__(self, eager, traced):
+        graph = torch.fx.Graph()
+        graph.output(graph.call_function(traced, (graph.placeholder("x"),)))
+        super().__init__(torch.nn.Module(), graph)
+        self._eager, self._traced = eager, traced
+        # GraphModule gives each instance a class of its own, whose __call__ goes through
+        # nn.Module: a pack hook runs for every saved tensor, so it goes straight here.
+        type(self).__call__ = _Hook._call
+
+    def _call(self, x):
+        if _hook_context() is None:
+            return self._eager(x)
+        return self._traced(x)
+
+
+# -- compile time ------------------------------------------------------------------------------
+
+
+def fx_site(node: torch.fx.Node) -> str:
+    """A compiled save site: the producing op, shape, dtype and device of the saved value."""
+    value = node.meta["val"]
+    return f"compiled {node.target} {tuple(value.shape)} {value.dtype} {value.device}"
+
+
+def selected(node: torch.fx.Node, options: Options, excluded: frozenset = frozenset()) -> bool:
+    """Whether the value of ``node`` is compressed: a floating tensor of a supported dtype and
+    size, ReLU-family by the shared rule (or any, with ``select="all"``), of a site that pays."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.dtype not in SUPPORTED_DTYPES:
+        return False
+    if value.layout != torch.strided or value.device.type not in ("cuda", "cpu"):
+        return False
+    numel = value.numel()
+    if isinstance(numel, torch.SymInt):
+        numel = numel.node.hint if numel.node.has_hint() else options.min_numel
+    if not options.min_numel <= numel <= MAX_NUMEL or numel == 0:
+        return False
+    if options.select == "relu" and classify_fx_node(node) is not Provenance.RELU:
+        return False
+    return fx_site(node) not in excluded
+
+
+def _trace_pack(t: torch.Tensor, number: int, options: Options, excluded: frozenset):
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None and inductor_config.triton.cudagraphs:
+        raise RuntimeError(
+            "BitSparse does not support CUDA graphs (torch.compile(mode='reduce-overhead')): its arena "
+            "and the fallback of tensors it cannot store are managed by the host at every step. Compile "
+            "with mode='default' or mode='max-autotune-no-cudagraphs' inside bitsparse.compressing()."
+        )
+    node = _hook_context()["_node"]
+    if not selected(node, options, excluded):
+        return t
+    # The size and strides travel with the key: with dynamic shapes they are symbols of the
+    # forward, which the backward receives as inputs.
+    return (torch.ops.bitsparse.store(t, number, fx_site(node)), tuple(t.shape), tuple(t.stride()))
+
+
+def _trace_unpack(packed):
+    if not isinstance(packed, tuple):
+        return packed
+    key, size, stride = packed
+    value = _hook_context()["_node"].meta["val"]
+    return torch.ops.bitsparse.restore(key, list(size), list(stride), value.dtype, value.device)
+
+
+def steer(graph_module: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
+    """Make the partitioner save each ReLU-family tensor the installed hooks compress, and
+    recompute its squares from it (see the module's docstring)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is None or getattr(hooks[0], "selection", None) is None:
+        return graph_module
+    options, excluded = hooks[0].selection
+    _lower_mark_to_its_input()
+    patches = getattr(_steering, "patches", None)
+    if patches is not None:
+        _inductor_keeps_freed_buffers(patches)
+    for node in graph_module.graph.nodes:
+        kind = fx_kind(node)
+        if kind == RELU and selected(node, options, excluded):
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        elif kind == SQUARE and classify_fx_node(node) is Provenance.RELU:
+            node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+    return graph_module
+
+
+_steering = threading.local()
+"""The innermost ``steering`` block of the thread: what it patched, to undo at its end."""
+
+
+@contextlib.contextmanager
+def steering():
+    """For the block: ``steer`` as the joint-graph pass (after any pass already there), and
+    inductor compiling without buffer reuse or in-place computation (see the module's
+    docstring). Both are read when a graph is compiled, which happens under BitSparse's hooks
+    since compiled code guards on them. Inductor's configuration is patched now if inductor is
+    loaded, otherwise by ``steer``, when a compile under the hooks has loaded it."""
+    import torch._functorch.config as functorch_config
+
+    previous = functorch_config.joint_custom_pass
+
+    def joint_pass(graph_module, inputs):
+        if previous is not None:
+            graph_module = previous(graph_module, inputs)
+        return steer(graph_module, inputs)
+
+    outer = getattr(_steering, "patches", None)
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(functorch_config.patch(joint_custom_pass=joint_pass))
+        _inductor_keeps_freed_buffers(patches)
+        _steering.patches = patches
+        try:
+            yield
+        finally:
+            _steering.patches = outer
+
+
+def _inductor_keeps_freed_buffers(patches: contextlib.ExitStack) -> None:
+    """Turn off inductor's buffer reuse and in-place computation until ``patches`` closes, if
+    inductor is loaded and they are on."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None and (config.allow_buffer_reuse or config.inplace_buffers):
+        patches.enter_context(config.patch(allow_buffer_reuse=False, inplace_buffers=False))
+
+
+# -- run time ----------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("bitsparse::store", mutates_args=())
+def store(x: torch.Tensor, hooks: int, site: str) -> torch.Tensor:
+    """Store ``x``, a tensor a compiled forward saves, with the options of the hook pair
+    numbered ``hooks``; returns the key of its handle."""
+    session, options, _ = _installed[hooks]
+    handle = session.store_compiled(options, x, site)
+    number = next(_keys)
+    _handles[number] = (session, handle)
+    key = torch.tensor([number])
+    weakref.finalize(key, _handles.pop, number, None)
+    return key
+
+
+@store.register_fake
+def _(x, hooks, site):
+    return torch.empty(1, dtype=torch.int64)
+
+
+@torch.library.custom_op("bitsparse::restore", mutates_args=())
+def restore(
+    key: torch.Tensor, size: list[int], stride: list[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The tensor whose handle ``key`` names, restored bit for bit."""
+    session, handle = _handles[int(key)]
+    return session.unpack_compiled(handle)
+
+
+@restore.register_fake
+def _(key, size, stride, dtype, device):
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+@torch.library.custom_op("bitsparse::mark", mutates_args=())
+def mark(x: torch.Tensor) -> torch.Tensor:
+    """``x``, marked as ReLU-family for the compiled graph it is in (``bitsparse.mark`` in
+    traced code). Inductor lowers it to ``x`` itself; elsewhere it copies."""
+    return x.clone()
+
+
+@mark.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+mark.register_autograd(lambda ctx, grad: grad)
+
+
+@functools.cache
+def _lower_mark_to_its_input() -> None:
+    """Let inductor compile ``bitsparse::mark`` to nothing (its output is its input)."""
+    from torch._inductor.lowering import register_lowering
+
+    register_lowering(torch.ops.bitsparse.mark.default)(lambda x: x)
