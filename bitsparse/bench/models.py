@@ -111,6 +111,10 @@ class GPT(nn.Module):
     def mlps(self) -> list[MLP]:
         return [block.mlp for block in self.blocks]
 
+    def units(self) -> nn.ModuleList:
+        """The repeated modules, which ``--compile-scope block`` compiles one by one."""
+        return self.blocks
+
     def set_checkpointing(self, enabled: bool) -> None:
         for block in self.blocks:
             block.checkpoint_mlp = enabled
@@ -131,7 +135,11 @@ class MLPStack(nn.Module):
         return x.float().square().mean()
 
     def mlps(self) -> list[MLP]:
-        return list(self.layers)
+        return [getattr(layer, "eager", layer) for layer in self.layers]
+
+    def units(self) -> nn.ModuleList:
+        """The repeated modules, which ``--compile-scope block`` compiles one by one."""
+        return self.layers
 
     def set_checkpointing(self, enabled: bool) -> None:
         self.checkpointing = enabled

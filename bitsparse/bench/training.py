@@ -2,7 +2,10 @@
 
 Modes: ``dense`` (plain autograd), ``checkpoint`` (non-reentrant checkpointing around each MLP),
 ``offload`` (``torch.autograd.graph.save_on_cpu(pin_memory=True)``), ``bitsparse`` and
-``bitsparse-15bit`` (``bitsparse.compressing()``, without and with sign packing).
+``bitsparse-15bit`` (``bitsparse.compressing()``, without and with sign packing), and
+``compiled-dense``, ``compiled-checkpoint`` and ``compiled-bitsparse``, the same under
+``torch.compile`` (of the whole forward, or of each block: ``--compile-scope``). Gradients of a
+compiled mode are compared with ``compiled-dense``'s, those of the others with ``dense``'s.
 
 Memory is the peak allocated during a step above what was allocated before its forward,
 counting the BitSparse arena at its full capacity. Times are medians over interleaved repeats
@@ -25,7 +28,11 @@ import torch
 import bitsparse
 from bitsparse.bench.models import shift_to_sparsity
 
-MODES = ("dense", "checkpoint", "offload", "bitsparse", "bitsparse-15bit")
+MODES = (
+    "dense", "checkpoint", "offload", "bitsparse", "bitsparse-15bit",
+    "compiled-dense", "compiled-checkpoint", "compiled-bitsparse",
+)  # fmt: skip
+COMPILE_SCOPES = ("model", "block")
 CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
 
 
@@ -56,7 +63,7 @@ def deterministic_kernels():
 def mode_context(mode: str, **bitsparse_options):
     if mode == "offload":
         return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
-    if mode == "bitsparse":
+    if mode in ("bitsparse", "compiled-bitsparse"):
         return bitsparse.compressing(**bitsparse_options)
     if mode == "bitsparse-15bit":
         return bitsparse.compressing(sign_pack=True, **bitsparse_options)
@@ -79,6 +86,39 @@ class ModeResult:
     compression_ratio: float | None
 
 
+class _Compiled(torch.nn.Module):
+    """A module that runs compiled while ``on``, as it is otherwise (one set of parameters)."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.eager, self.compiled, self.on = module, torch.compile(module), False
+
+    def forward(self, *args):
+        return (self.compiled if self.on else self.eager)(*args)
+
+
+def compiled(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], scope: str) -> Callable[[], torch.Tensor]:
+    """``loss_fn`` under ``torch.compile``: its whole forward (``scope="model"``), or each of
+    ``model.units()`` (``"block"``), which then run compiled only within the returned function."""
+    if scope == "model":
+        return torch.compile(loss_fn)
+    units = model.units()
+    switches = [_Compiled(unit) for unit in units]
+    for i, switch in enumerate(switches):
+        units[i] = switch
+
+    def run() -> torch.Tensor:
+        for switch in switches:
+            switch.on = True
+        try:
+            return loss_fn()
+        finally:
+            for switch in switches:
+                switch.on = False
+
+    return run
+
+
 def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
 
@@ -91,17 +131,21 @@ def compare_modes(
     repeats: int = 10,
     warmup: int = 3,
     bitsparse_options: dict | None = None,
+    compile_scope: str = "model",
 ) -> list[ModeResult]:
     """Run one step of ``loss_fn().backward()`` per mode and round; measure memory and time."""
     cuda = torch.cuda.is_available()
     device_sync = torch.cuda.synchronize if cuda else (lambda: None)
+    compiled_loss_fn = None
+    if any(mode.startswith("compiled") for mode in modes):
+        compiled_loss_fn = compiled(model, loss_fn, compile_scope)
 
     def step(mode: str) -> float:
         """One step; the host's time to run (queue) its forward, in ms."""
-        model.set_checkpointing(mode == "checkpoint")
+        model.set_checkpointing(mode.endswith("checkpoint"))
         start = time.perf_counter()
         with mode_context(mode, **(bitsparse_options or {})):
-            loss = loss_fn()
+            loss = (compiled_loss_fn if mode.startswith("compiled") else loss_fn)()
         forward_ms = 1000 * (time.perf_counter() - start)
         loss.backward()
         model.set_checkpointing(False)
@@ -118,7 +162,7 @@ def compare_modes(
         for mode in modes:
             model.zero_grad(set_to_none=False)
             device_sync()
-            arena = bitsparse.stats().arena_reserved if mode.startswith("bitsparse") else 0
+            arena = bitsparse.stats().arena_reserved if "bitsparse" in mode else 0
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
@@ -127,7 +171,7 @@ def compare_modes(
             if cuda:
                 memory[mode] = torch.cuda.max_memory_allocated() - base + arena
             grads[mode] = _grads(model)
-            if mode.startswith("bitsparse"):
+            if "bitsparse" in mode:
                 ratios[mode] = bitsparse.stats().ratio
 
     times: dict[str, list[float]] = {mode: [] for mode in modes}
@@ -148,20 +192,24 @@ def compare_modes(
                 times[mode].append(1000 * (time.perf_counter() - t0))
 
     # Some CUDA backward kernels (cuDNN attention) are nondeterministic even so: only when two
-    # dense steps agree do other modes' gradients get compared.
-    reference = grads.get("dense")
-    if reference is not None:
-        model.zero_grad(set_to_none=False)
-        with deterministic_kernels():
-            step("dense")
-        if not all(torch.equal(a, b) for a, b in zip(reference, _grads(model))):
-            reference = None
-    dense_ms = statistics.median(times["dense"]) if "dense" in times else None
+    # dense steps agree do other modes' gradients get compared. A compiled mode is compared
+    # with compiled-dense (compiled kernels may round differently), and timed against it.
+    references = {}
+    for baseline in ("dense", "compiled-dense"):
+        if baseline in grads:
+            model.zero_grad(set_to_none=False)
+            with deterministic_kernels():
+                step(baseline)
+            if all(torch.equal(a, b) for a, b in zip(grads[baseline], _grads(model))):
+                references[baseline] = grads[baseline]
     results = []
     for mode in modes:
+        baseline = "compiled-dense" if mode.startswith("compiled") else "dense"
+        dense_ms = statistics.median(times[baseline]) if baseline in times else None
         ms = statistics.median(times[mode])
         quartiles = statistics.quantiles(times[mode], n=4) if len(times[mode]) > 1 else [ms, ms, ms]
         mib = memory.get(mode, float("nan")) / 2**20
+        reference = references.get(baseline)
         equal = None
         if reference is not None:
             equal = len(reference) == len(grads[mode]) and all(
@@ -187,13 +235,14 @@ def compare_modes(
 def print_table(title: str, results: list[ModeResult]) -> None:
     print(title)
     print(
-        f"  {'mode':<16}{'MiB':>10}{'MiB/token':>11}{'ms':>9}{'IQR':>7}{'fwd host':>9}{'vs dense':>10}{'ratio':>7}  grads"
+        f"  {'mode':<20}{'MiB':>10}{'MiB/token':>11}{'ms':>9}{'IQR':>7}{'fwd host':>9}{'vs dense':>10}"
+        f"{'ratio':>7}  grads"
     )
     for r in results:
         ratio = f"{r.compression_ratio:.2f}" if r.compression_ratio else "-"
         grads = {True: "equal", False: "DIFFER", None: "-"}[r.grads_equal_dense]
         print(
-            f"  {r.mode:<16}{r.activation_mib:>10.0f}{r.mib_per_token:>11.4f}{r.step_ms:>9.1f}"
+            f"  {r.mode:<20}{r.activation_mib:>10.0f}{r.mib_per_token:>11.4f}{r.step_ms:>9.1f}"
             f"{r.step_ms_spread:>7.1f}{r.forward_host_ms:>9.1f}{r.overhead_pct:>+9.1f}%{ratio:>7}  {grads}"
         )
 
@@ -264,7 +313,9 @@ def run_suite(args, name: str, size_key: str, sizes, build, title: str) -> list[
             static = torch.cuda.memory_allocated() if cuda else 0
             # The quick models' tensors are small: compress them anyway.
             options = {"min_numel": 1024} if args.quick else {}
-            results = compare_modes(model, loss_fn, tokens, args.modes, args.repeats, args.warmup, options)
+            results = compare_modes(
+                model, loss_fn, tokens, args.modes, args.repeats, args.warmup, options, args.compile_scope
+            )
             label = "init" if zeros is None else f"{round(100 * zeros)}%"
             print_table(f"{name} {size_key}={size}, MLP zeros {label}", results)
             size_rows = as_rows(results, suite=name, **{size_key: size}, zeros=label)
@@ -288,6 +339,8 @@ def add_common_arguments(parser, zeros_default) -> None:
     parser.add_argument("--zeros", type=lambda s: None if s == "init" else float(s), nargs="+",
                         default=zeros_default, help="MLP zero fractions ('init' = as initialised)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--compile-scope", default="model", choices=COMPILE_SCOPES,
+                        help="what the compiled modes compile: the whole forward, or each block")
     parser.add_argument("--repeats", type=int, default=10, help="interleaved timing rounds")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     parser.add_argument("--budget-gib", type=float, help="also report the largest size that fits")
