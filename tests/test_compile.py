@@ -262,3 +262,10 @@ def test_a_compile_that_loads_inductor_inside_the_block_is_steered_too():
 
     result = subprocess.run([sys.executable, "-c", _COMPILE_INSIDE], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stdout + result.stderr
+
+
+def test_max_autotune_without_cuda_graphs():
+    stats, _, _ = compiled_steps(
+        mlp(), mlp_input(), compile=lambda m, c: torch.compile(m, mode="max-autotune-no-cudagraphs")
+    )
+    assert [s.tensors_compressed for s in stats] == [2, 2, 2]
