@@ -3,7 +3,7 @@ model without it, no host synchronization in a compiled step, and no step above 
 
 import pytest
 import torch
-from test_gpu_hooks import _step_peaks, small_gpt
+from test_gpu_hooks import _step_peaks, small_gpt, step_without_host_synchronization
 
 import bitsparse
 from bitsparse.bench.training import deterministic_kernels
@@ -60,14 +60,7 @@ def test_compiled_step_has_no_host_synchronization():
     model, loss_fn = compiled_gpt("model")
     for _ in range(3):  # compile, and let the arena settle
         grads(model, loss_fn, bitsparse.compressing(min_numel=1024))
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with bitsparse.compressing(min_numel=1024):
-            loss = loss_fn()
-        loss.backward()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    step_without_host_synchronization(loss_fn)
     assert bitsparse.stats().tensors_compressed == 3
 
 

@@ -119,10 +119,8 @@ def test_tensor_saved_on_another_stream_is_kept_dense():
     assert torch.equal(w.grad, reference)
 
 
-def test_training_step_has_no_host_synchronization():
-    model, loss_fn = small_gpt(0.9)
-    for _ in range(3):  # let the arena settle and the square check run once
-        grads_of(model, loss_fn, min_numel=1024)
+def step_without_host_synchronization(loss_fn) -> None:
+    """One training step under ``compressing()`` in which any synchronizing call raises."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -131,6 +129,13 @@ def test_training_step_has_no_host_synchronization():
         loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_training_step_has_no_host_synchronization():
+    model, loss_fn = small_gpt(0.9)
+    for _ in range(3):  # let the arena settle and the square check run once
+        grads_of(model, loss_fn, min_numel=1024)
+    step_without_host_synchronization(loss_fn)
     assert bitsparse.stats().tensors_compressed >= 3
 
 
