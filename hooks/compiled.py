@@ -51,8 +51,7 @@ _hook_pairs: dict[tuple, tuple] = {}
 """The hook pair of each (session, options, excluded sites): the same objects every time, so
 that a compiled graph, which guards on them, is not compiled again."""
 _installed: dict[int, tuple] = {}
-"""Hook pairs by number, for the ops (which take plain values) to find their session and
-options."""
+"""The session and options of each hook pair, by number: the ops take plain values."""
 _numbers = itertools.count()
 _handles: dict[int, tuple] = {}
 """The (session, handle) pair each key of a compiled graph names, while the key lives."""
@@ -75,8 +74,8 @@ def hooks_for(session, options: Options, excluded: frozenset) -> tuple:
     pair = _hook_pairs.get(key)
     if pair is None:
         number = next(_numbers)
-        _installed[number] = (session, options, excluded)
-        pack = _Hook(lambda t: session.pack(options, t), lambda t: _trace_pack(t, number, options, excluded))
+        _installed[number] = (session, options)
+        pack = _Hook(functools.partial(session.pack, options), lambda t: _trace_pack(t, number, options, excluded))
         pack.selection = (options, excluded)
         pair = _hook_pairs[key] = (pack, _Hook(session.unpack, _trace_unpack))
     return pair
@@ -222,7 +221,7 @@ def _inductor_keeps_freed_buffers(patches: contextlib.ExitStack) -> None:
 def store(x: torch.Tensor, hooks: int, site: str) -> torch.Tensor:
     """Store ``x``, a tensor a compiled forward saves, with the options of the hook pair
     numbered ``hooks``; returns the key of its handle."""
-    session, options, _ = _installed[hooks]
+    session, options = _installed[hooks]
     handle = session.store_compiled(options, x, site)
     number = next(_keys)
     _handles[number] = (session, handle)
