@@ -2,7 +2,8 @@
 
 ``compressing()`` wraps a forward pass; ``enable()`` does the same for the calling thread
 until ``disable()``. Both install a ``torch.autograd.graph.saved_tensors_hooks`` pair whose
-pack hook reads from each saved tensor's ``grad_fn`` whether a ReLU-family op produced it.
+pack hook reads from each saved tensor's ``grad_fn`` whether a ReLU-family op produced it, and
+which ``torch.compile`` inlines into compiled graphs (``bitsparse.hooks.compiled``).
 Tensors are compressed into one arena per device, restored bit for bit in backward, and the
 arena is reused as soon as the step's graph is freed.
 """
@@ -68,6 +69,8 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
         region's inputs reach BitSparse. ``torch.func`` transforms that differentiate
         (``grad``, ``vjp``, ``jacrev``, ``hessian``) refuse to run while any saved-tensor
         hooks are installed: call them outside the block (or after ``disable()``).
+        Code compiled with ``torch.compile`` compresses inside its graphs (compiled once per
+        set of options); ``mode="reduce-overhead"`` (CUDA graphs) is refused when it compiles.
     """
 
     def __init__(
