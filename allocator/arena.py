@@ -326,20 +326,21 @@ class Arena:
     def leased(self) -> bool:
         return self._leases > 0
 
-    def begin_step(self, fixed_words: int, value_words: int) -> bool:
+    def begin_step(self, fixed_words: int | None, value_words: int | None) -> bool:
         """Empty the arena for a new step that is expected to need ``fixed_words`` and
-        ``value_words`` (what the last step needed), unless a lease is open; return whether
+        ``value_words`` (what the last step needed; None when the last step asked nothing of
+        the arena, which says nothing of the next), unless a lease is open; return whether
         it did.
 
-        Before emptying, it delivers the last step's reports and, if ``growable``, plans each
-        region at the expected demand times ``HEADROOM`` when that is above
-        ``GROW_WHEN_ABOVE`` of its size or under half of it. A region that changes is
+        Before emptying, it delivers the last step's reports and, if ``growable`` and the
+        demand is known, plans each region at the expected demand times ``HEADROOM`` when that
+        is above ``GROW_WHEN_ABOVE`` of its size or under half of it. A region that changes is
         released now and allocated again at the first ``reserve_fixed``.
         """
         if self._leases:
             return False
         self.drain()
-        if self.growable:
+        if self.growable and fixed_words is not None:
             self._plan(fixed_words, value_words)
         # Every append of the last step (measured ones too) may need a start word in this one.
         if self._appends > len(self._start_slots):

@@ -40,6 +40,7 @@ import threading
 import weakref
 
 import torch
+from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 from torch.utils.checkpoint import CheckpointPolicy
 
 from bitsparse.compressed import MAX_NUMEL
@@ -99,9 +100,18 @@ class _Hook(torch.fx.GraphModule):
         type(self).__call__ = _Hook._call
 
     def _call(self, x):
-        if _hook_context() is None:
+        # Eager autograd hands over real tensors, which tracing never does: most calls end here.
+        if x.__class__ is torch.Tensor or _hook_context() is None:
             return self._eager(x)
         return self._traced(x)
+
+
+# Autograd may call a hook while Dynamo's frame callback is active (an eager op inside a frame
+# Dynamo runs without compiling it, such as a compiled LayerNorm module's), and Dynamo would then
+# compile the hook and the session's code behind it, with guards on the session's counters that
+# fail at every step. Dynamo skips this frame and every frame it calls, at no cost to a hook
+# called without the callback (unlike torch.compiler.disable's wrapper).
+set_code_exec_strategy(_Hook._call.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
 
 
 # -- compile time ------------------------------------------------------------------------------

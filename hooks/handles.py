@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 
 from bitsparse.codecs import Codec
-from bitsparse.compressed import CompressedTensor, decompress_with
+from bitsparse.compressed import ValueBuffer
+from bitsparse.format import TileGeometry, dtype_spec
 
 
 def check_version(t: torch.Tensor, version: int) -> None:
@@ -86,42 +87,84 @@ class Handle:
         return value
 
 
-class StoredTensor(Handle):
-    """A tensor compressed into an arena, or kept dense where it could not be.
+class Site:
+    """A save site: where in the model tensors come from (their producer, or a compiled
+    graph's name for it) with their shape, strides and dtype, and what storing each of them
+    takes, worked out once at its first tensor: every step stores the same tensors again.
 
-    Until the arena confirms that the values fit, ``dense`` keeps the original tensor's
-    storage and geometry (and serves unpacks); if they did not fit, it keeps them for good (a
-    fallback). ``compressed`` is None when the tensor was only measured (no room even for its
-    masks). The tensor is compressed in its memory order (``order``), so the restored tensor
-    has the original strides. ``lease`` is the arena's claim on the stored words (None when
-    kept dense); it is released when the handle is.
+    ``name`` is what the session learns about (whether the site pays). Tensors are compressed
+    in their memory order (``order``, see ``memory_order``; None when no permutation makes
+    them contiguous, so they are kept as they are), so that they are restored with their own
+    strides. ``encode`` and ``decode`` are the codec prepared for the arena's value buffer
+    ``values`` (``prepare``), and ``forget_buffer`` drops them when the arena changes its
+    buffer, so that nothing here keeps an old one alive.
     """
 
-    __slots__ = ("compressed", "dense", "codec", "lease", "order")
+    __slots__ = (
+        "name", "shape", "stride", "dtype", "device", "order", "stored_shape", "numel", "dense_bytes", "spec",
+        "fixed_words", "codec", "sign_pack", "values", "encode", "decode",
+    )  # fmt: skip
 
-    def __init__(
-        self,
-        compressed: CompressedTensor | None,
-        dense: torch.Tensor,
-        codec: Codec | None,
-        lease,
-        order: tuple[int, ...] | None,
-    ):
-        super().__init__(dense.storage_offset())
-        self.compressed = compressed
-        # The storage, not the tensor: a saved tensor's grad_fn may be the node that saves
-        # it, and holding it would make a reference cycle through autograd (detaching a view
-        # was host time on every stored tensor).
-        self.dense: tuple | None = (
-            dense.untyped_storage(),
-            dense.storage_offset(),
-            dense.shape,
-            dense.stride(),
-            dense.dtype,
+    def __init__(self, name, t: torch.Tensor, codec: Codec, sign_pack: bool, geometry: TileGeometry):
+        self.name = name
+        self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
+        self.order = memory_order(t)
+        self.stored_shape = t.permute(self.order).shape if self.order else t.shape
+        self.numel = t.numel()
+        self.dense_bytes = self.numel * t.element_size()
+        self.spec = dtype_spec(t.dtype)
+        self.fixed_words = geometry.fixed_nbytes(self.numel) // 4
+        self.codec, self.sign_pack = codec, sign_pack
+        self.forget_buffer()
+
+    def prepare(self, values: ValueBuffer, geometry: TileGeometry, report: bool) -> None:
+        """Prepare the codec to append to ``values`` (with report words when ``report``)."""
+        self.values = values
+        words, cursor, appends = values.words, values.cursor, values.appends
+        self.encode = self.codec.encoder(
+            words, cursor, appends, self.spec, geometry, self.sign_pack, self.numel, True, report
         )
-        self.codec = codec
-        self.lease = lease
-        self.order = order  # the tensor was compressed as dense.permute(order) (() for dense)
+        self.decode = self.codec.decoder(words, self.spec, geometry, self.sign_pack, self.numel)
+
+    def forget_buffer(self) -> None:
+        self.values = self.encode = self.decode = None
+
+    def in_original_order(self, restored: torch.Tensor) -> torch.Tensor:
+        """``restored`` (in memory order) with the original tensor's dims and strides."""
+        if not self.order:
+            return restored
+        inverse = sorted(range(len(self.order)), key=self.order.__getitem__)
+        return restored.permute(inverse)
+
+
+def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation of ``t``'s dims that makes it contiguous: ``()`` when ``t`` is already,
+    None when no permutation does (overlapping or gapped strides)."""
+    if t.is_contiguous():
+        return ()
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d])))
+    return order if t.permute(order).is_contiguous() else None
+
+
+class StoredTensor(Handle):
+    """A tensor of ``site`` compressed into an arena, or kept dense where it could not be.
+
+    ``fixed`` and ``base`` are its masks and tile words and the word holding where its values
+    start (None when it was kept dense), ``decode`` the codec that restores it, and ``lease``
+    the arena's claim on what it stores, released with the handle. Until the arena confirms
+    that the values fit, ``dense`` keeps the original tensor's storage (and serves unpacks);
+    if they did not fit, it keeps it for good (a fallback).
+    """
+
+    __slots__ = ("site", "fixed", "base", "decode", "dense", "lease")
+
+    def __init__(self, dense: torch.Tensor, site: Site, fixed=None, base=None, lease=None):
+        super().__init__(dense.storage_offset())
+        self.site, self.fixed, self.base, self.lease = site, fixed, base, lease
+        self.decode = site.decode if fixed is not None else None
+        # The storage, not the tensor: a saved tensor's grad_fn may be the node that saves
+        # it, and holding it would make a reference cycle through autograd.
+        self.dense = dense.untyped_storage()
 
     def confirm(self, fits: bool) -> None:
         if fits:
@@ -133,10 +176,13 @@ class StoredTensor(Handle):
         return self.dense is None
 
     def _restore(self) -> torch.Tensor:
+        site = self.site
         if self.dense is not None:
-            storage, offset, shape, stride, dtype = self.dense
-            return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
-        return self._in_original_order(decompress_with(self.compressed, self.codec))
+            kept = torch.empty(0, dtype=site.dtype, device=site.device)
+            return kept.set_(self.dense, self.start, site.shape, site.stride)
+        out = torch.empty(site.stored_shape, dtype=site.dtype, device=site.device)
+        self.decode(self.fixed, self.base, out)
+        return site.in_original_order(out)
 
     def squared(self, square: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The elementwise square of the restored tensor, as ``square`` computes it, which
@@ -147,16 +193,12 @@ class StoredTensor(Handle):
         """
         if self._cache is not None or self.dense is not None:
             return square(self.tensor())
-        value, squared = decompress_with(self.compressed, self.codec, square=True)
-        self._cache = self._in_original_order(value)
-        return self._in_original_order(squared)
-
-    def _in_original_order(self, restored: torch.Tensor) -> torch.Tensor:
-        """``restored`` (in memory order) with the original tensor's dims and strides."""
-        if not self.order:
-            return restored
-        inverse = sorted(range(len(self.order)), key=self.order.__getitem__)
-        return restored.permute(inverse)
+        site = self.site
+        value = torch.empty(site.stored_shape, dtype=site.dtype, device=site.device)
+        squared = torch.empty_like(value)
+        self.decode(self.fixed, self.base, value, squared)
+        self._cache = site.in_original_order(value)
+        return site.in_original_order(squared)
 
 
 class SquareOf(Handle):

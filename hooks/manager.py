@@ -20,27 +20,20 @@ import torch
 
 from bitsparse.allocator import Arena
 from bitsparse.codecs import get_codec
-from bitsparse.compressed import MAX_NUMEL, compress_into
-from bitsparse.format import SUPPORTED_DTYPES, TileGeometry, dtype_spec
+from bitsparse.compressed import MAX_NUMEL
+from bitsparse.format import SUPPORTED_DTYPES, TileGeometry
 from bitsparse.hooks.exactness import ExactnessChecks
-from bitsparse.hooks.handles import Handle, Recomputed, SquareOf, StoredTensor, ViewOf, check_version
+from bitsparse.hooks.handles import Handle, Recomputed, Site, SquareOf, StoredTensor, ViewOf, check_version
 from bitsparse.hooks.options import Options
 from bitsparse.hooks.provenance import Marks, Provenance, classify_node, node_key, squared_input
 from bitsparse.hooks.spans import SpanIndex
 from bitsparse.hooks.stats import Stats, StepCollector
 
+MAX_SITES = 4096
+"""Save sites remembered; forgotten all at once past this (shapes that change every step)."""
 PROFITABLE_RATIO = 1.25
 """A save site whose tensors shrink less than this (dense / stored) is kept dense: the
 arena's headroom (15% of what it stores) would eat most of the saving."""
-
-
-def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
-    """The permutation of ``t``'s dims that makes it contiguous: ``()`` when ``t`` is already,
-    None when no permutation does (overlapping or gapped strides)."""
-    if t.is_contiguous():
-        return ()
-    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d])))
-    return order if t.permute(order).is_contiguous() else None
 
 
 class Session:
@@ -75,48 +68,74 @@ class Session:
         # tensor it was made for, see Handle.watch).
         self._packed: dict[int, weakref.ref] = {}
         self._unprofitable: set = set()
+        self._sites: dict[tuple, Site] = {}
         self._exact = ExactnessChecks()
 
     # -- hooks ------------------------------------------------------------------------------
 
     def pack(self, options: Options, t: torch.Tensor):
         # Runs for every saved tensor (about 400 per GPT forward, between the model's ops, where
-        # the host often bounds the step), and most are skipped: decide that first, cheaply
-        # (the screen reads only the tensor, the options and the marks, so needs no lock).
-        reason, provenance = self._screen(t, options)
+        # the host often bounds the step), and most are kept as they are: that is decided first,
+        # with as little work as possible and without the lock (the counters it adds to are
+        # only this step's statistics; a step begins after a backward, see _step_over).
+        if self._backward_seen or (not self._live and self._collector.leased):
+            self.begin_step()
+        base = t._base
+        if base is None:
+            base = t
+        node = base.grad_fn  # a view holds its base's values: the base's node says what they are
+        numel = t.numel()
+        provenance = None
+        if numel < options.min_numel or not numel:
+            reason = "small"
+        elif node is None and base.requires_grad:  # a parameter, or a view of one (weight.t())
+            reason = "parameter"
+        else:
+            provenance = classify_node(node)
+            if provenance is not Provenance.RELU and self.marks and self.marks.covers(t):
+                provenance = Provenance.RELU
+            if provenance is None and options.select == "relu":
+                reason = "not_relu_family"
+            elif t.dtype not in SUPPORTED_DTYPES:
+                reason = "dtype"
+            elif t.layout != torch.strided or not (t.is_cuda or t.is_cpu):
+                reason = "layout_or_device"
+            elif numel > MAX_NUMEL:
+                reason = "large"
+            else:
+                return self._pack_candidate(options, t, node, provenance)
+        collector = self._collector
+        collector.stats.tensors_seen += 1
+        collector.skipped[reason] += 1
+        # Kept without its history: a tensor saved by the node that made it (tanh's result)
+        # would hold that node, which holds it, in a cycle that only backward breaks (Python's
+        # collector cannot see it). A tensor without a node (a parameter, an input) cannot be
+        # in one; nor can a parameter's view, whose node is a view's, which saves no tensor.
+        # Unpacking restores the history, after checking the version (see check_version).
+        if node is None or reason == "parameter":
+            return t, t._version
+        return t.detach(), t._version
+
+    def _pack_candidate(self, options: Options, t: torch.Tensor, node, provenance):
+        """``pack`` for a tensor that passed the screen: store it, or find it stored."""
         with self._lock:
             if self._step_over():
                 self._begin_step()
             collector = self._collector
             stats = collector.stats
             stats.tensors_seen += 1
-            order = site = None
-            if reason is None:
-                # The same tensor saved again (a square's input is ReLU's output): the same slot.
-                again = self._packed.get(id(t))
-                slot = again() if again is not None else None
-                if slot is not None and slot.watches(t):
-                    stats.tensors_deduplicated += 1
-                    slot.slots += 1
-                    return slot
-                if (site := self._site(t)) in self._unprofitable:
-                    reason = "unprofitable_site"
-                else:
-                    # Compressed in memory order, the tensor is restored with its own strides
-                    # (kernels such as convolutions may round differently on another layout).
-                    order = memory_order(t)
-                    if order is None:
-                        reason = "overlapping_or_gapped"
-            if reason is not None:
+            # The same tensor saved again (a square's input is ReLU's output): the same slot.
+            again = self._packed.get(id(t))
+            slot = again() if again is not None else None
+            if slot is not None and slot.watches(t):
+                stats.tensors_deduplicated += 1
+                slot.slots += 1
+                return slot
+            site = self._site(options, t, node, options.sign_pack and provenance is not None)
+            if site.name in self._unprofitable or site.order is None:
+                reason = "unprofitable_site" if site.order is not None else "overlapping_or_gapped"
                 collector.skipped[reason] += 1
-                # Kept without its history: a tensor saved by the node that made it (tanh's
-                # result) would hold that node, which holds it, in a cycle that only backward
-                # breaks (Python's collector cannot see it). A parameter's view cannot be: its
-                # node is a view's, which saves no tensor. Unpacking restores the history,
-                # after checking the version (see handles.check_version).
-                if reason == "parameter" or t.grad_fn is None:
-                    return t, t._version
-                return t.detach(), t._version
+                return (t if node is None else t.detach()), t._version
             # Confirmed tensors release their dense copy here, during the forward.
             self._poll()
             found = self._stored.find(t)
@@ -127,8 +146,7 @@ class Session:
                 if found is not None:
                     stats.tensors_recomputed += 1
             if found is None:
-                sign_pack = options.sign_pack and provenance is not None
-                found = slot = self._store(t, order, options, sign_pack, site)
+                found = slot = self._store(options, t, site)
                 slot.slots += 1  # it restores t itself, whatever t's strides
             else:
                 slot = self._slot(found, t)
@@ -137,22 +155,22 @@ class Session:
             self._packed[id(t)] = weakref.ref(slot)
             return slot
 
-    def store_compiled(self, options: Options, t: torch.Tensor, site: str) -> StoredTensor:
+    def store_compiled(self, options: Options, t: torch.Tensor, name: str) -> StoredTensor:
         """Store ``t``, which a compiled forward saves and selected at compile time (see
-        ``hooks/compiled.py``), as ``pack`` stores a tensor, with one slot. The compiled code
-        does not write over the memory of a buffer it freed (``hooks.compiled.steering``), so
-        the handle may keep ``t``'s as eager handles do."""
+        ``hooks/compiled.py``) as the save site ``name``, as ``pack`` stores a tensor, with one
+        slot. The compiled code does not write over the memory of a buffer it freed
+        (``hooks.compiled.steering``), so the handle may keep ``t``'s as eager handles do."""
         with self._lock:
             if self._step_over():
                 self._begin_step()
             collector = self._collector
             collector.stats.tensors_seen += 1
-            order = memory_order(t)
-            if site in self._unprofitable or order is None:
-                collector.skipped["unprofitable_site" if order is not None else "overlapping_or_gapped"] += 1
-                return StoredTensor(None, t, None, None, None)
+            site = self._site(options, t, name, options.sign_pack)
+            if site.name in self._unprofitable or site.order is None:
+                collector.skipped["unprofitable_site" if site.order is not None else "overlapping_or_gapped"] += 1
+                return StoredTensor(t, site)
             self._poll()
-            handle = self._store(t, order, options, options.sign_pack, site)
+            handle = self._store(options, t, site)
             handle.slots = 1
             return handle
 
@@ -168,9 +186,10 @@ class Session:
 
     def unpack(self, packed) -> torch.Tensor:
         self._backward_seen = True
-        if not isinstance(packed, Handle):  # a tensor kept as it is, and its version
+        if packed.__class__ is tuple:  # a tensor kept as it is, and its version
             kept, version = packed
-            check_version(kept, version)
+            if kept._version != version:
+                check_version(kept, version)
             return kept
         with self._lock:
             self._poll()
@@ -178,36 +197,26 @@ class Session:
 
     # -- decisions --------------------------------------------------------------------------
 
-    def _screen(self, t: torch.Tensor, options: Options) -> tuple[str | None, Provenance | None]:
-        """Why ``t`` is skipped (None if it is not) and its provenance, cheapest checks first."""
-        numel = t.numel()
-        if numel < options.min_numel or not numel:
-            return "small", None
+    def _site(self, options: Options, t: torch.Tensor, producer, sign_pack: bool) -> Site:
+        """The save site of ``t``, whose producer is the autograd node ``producer`` (or the
+        name a compiled graph gives the site)."""
         base = t._base
-        if base is None:
-            base = t
-        if base.requires_grad and base.is_leaf:  # a parameter, or a view of one (weight.t())
-            return "parameter", None
-        # A view holds its base's values: the base's node says what they are, without
-        # walking back through the view's nodes.
-        provenance = classify_node(base.grad_fn)
-        if provenance is not Provenance.RELU and self.marks.covers(t):
-            provenance = Provenance.RELU
-        if provenance is None and options.select == "relu":
-            return "not_relu_family", None
-        if t.dtype not in SUPPORTED_DTYPES:
-            return "dtype", provenance
-        if t.layout != torch.strided or not (t.is_cuda or t.is_cpu):
-            return "layout_or_device", provenance
-        if numel > MAX_NUMEL:
-            return "large", provenance
-        return None, provenance
-
-    @staticmethod
-    def _site(t: torch.Tensor) -> tuple:
-        """Where in the model ``t`` comes from; all views of one tensor share their site."""
-        base = t._base if t._base is not None else t
-        return (type(base.grad_fn).__name__, tuple(base.shape), t.dtype, t.device)
+        if isinstance(producer, str):
+            key = (producer, t.shape, t.stride(), t.dtype, t.device, options.backend, sign_pack)
+        else:
+            # All views of one tensor share their site's name.
+            base_shape = t.shape if base is None else base.shape
+            key = (producer.__class__, base_shape, t.shape, t.stride(), t.dtype, t.device, options.backend, sign_pack)
+        site = self._sites.get(key)
+        if site is None:
+            if len(self._sites) >= MAX_SITES:  # shapes that change at every step
+                self._sites.clear()
+            name = (
+                producer if isinstance(producer, str) else (type(producer).__name__, tuple(key[1]), t.dtype, t.device)
+            )
+            codec = get_codec(options.backend, t.device)
+            site = self._sites[key] = Site(name, t, codec, sign_pack, self._geometry)
+        return site
 
     # -- storing ----------------------------------------------------------------------------
 
@@ -227,65 +236,55 @@ class Session:
             if self._capacities.get(device) != options.capacity:
                 self._capacities[device] = options.capacity
                 if options.capacity != "auto":
+                    self._forget_buffers()
                     arena.resize(_capacity_bytes(device, options.capacity))
         return arena
 
-    def _store(self, t: torch.Tensor, order, options: Options, sign_pack: bool, site) -> StoredTensor:
-        """Compress ``t`` (permuted to ``order``, see ``memory_order``) into the device's
-        arena. Where the arena has no room, ``t`` is kept dense and only measured, for the
-        arena to grow for the next step; on another stream than the step's, it is kept.
+    def _store(self, options: Options, t: torch.Tensor, site: Site) -> StoredTensor:
+        """Compress ``t``, of ``site``, into the device's arena. Where the arena has no room,
+        ``t`` is kept dense and only measured, for the arena to grow for the next step; on
+        another stream than the step's, it is kept.
 
         The handle keeps ``t``'s storage while it may be needed: until the arena confirms the
         values fit, or for good where they do not. A stored tensor's handle holds a lease on
         the arena until autograd releases it.
         """
-        collector, stats = self._collector, self._collector.stats
-        arena = self._arena(t.device, options)
+        collector = self._collector
+        arena = self._arena(site.device, options)
         collector.arenas.add(arena)
-        dense_bytes = t.numel() * t.element_size()
         if not arena.on_append_stream():
-            return self._kept_dense(t, "other_stream")
-        x = t.permute(order) if order else t
-        spec = dtype_spec(t.dtype)
-        codec = get_codec(options.backend, arena.device)
-        fixed_words = self._geometry.fixed_nbytes(t.numel()) // 4
-        fixed = arena.reserve_fixed(fixed_words)
+            return self._kept_dense(t, site, "other_stream")
+        x = t.permute(site.order) if site.order else t
+        fixed = arena.reserve_fixed(site.fixed_words)
         slot, report = arena.next_report(throttled=fixed is not None)
         if fixed is None:
-            codec.measure(x, arena.cursor, arena.appends, spec, self._geometry, sign_pack, report)
-            arena.submit(slot, _measured(collector, site, arena, fixed_words, dense_bytes), throttled=False)
-            return self._kept_dense(t, "arena_full")
-        compressed = compress_into(
-            x,
-            codec,
-            self._geometry,
-            arena.values,
-            fixed,
-            sign_pack,
-            collector.nonzeros_counter(arena.device),
-            report,
-            arena.next_start(),
-        )
-        handle = StoredTensor(compressed, t, codec, _Lease(self, arena), order)
+            site.codec.measure(x, arena.cursor, arena.appends, site.spec, self._geometry, site.sign_pack, report)
+            arena.submit(slot, _measured(collector, site, arena), throttled=False)
+            return self._kept_dense(t, site, "arena_full")
+        if site.values is not arena.values:
+            site.prepare(arena.values, self._geometry, report is not None)
+        base = arena.next_start()
+        site.encode(x, fixed, base, collector.nonzeros_counter(arena.device), report)
+        handle = StoredTensor(t, site, fixed, base, _Lease(self, arena))
         collector.leased = True
+        stats = collector.stats
         stats.tensors_compressed += 1
-        stats.dense_bytes += dense_bytes
-        collector.numel += t.numel()
-        confirm = _confirmation(weakref.ref(handle), self, collector, site, arena, fixed_words, dense_bytes)
-        arena.submit(slot, confirm)
+        stats.dense_bytes += site.dense_bytes
+        collector.numel += site.numel
+        arena.submit(slot, _confirmation(weakref.ref(handle), self, collector, site, arena))
         if t.is_contiguous():
             self._stored.add(t, handle)
         return handle
 
-    def _kept_dense(self, t: torch.Tensor, reason: str) -> StoredTensor:
+    def _kept_dense(self, t: torch.Tensor, site: Site, reason: str) -> StoredTensor:
         """A handle keeping ``t`` as it is, a fallback for ``reason``."""
         collector = self._collector
         collector.fallbacks[reason] += 1
-        collector.stats.dense_bytes += t.numel() * t.element_size()
-        collector.stats.stored_bytes += t.numel() * t.element_size()
+        collector.stats.dense_bytes += site.dense_bytes
+        collector.stats.stored_bytes += site.dense_bytes
         if reason == "arena_full":
             self._warn_if_stale()
-        handle = StoredTensor(None, t, None, None, None)
+        handle = StoredTensor(t, site)
         if t.is_contiguous():
             self._stored.add(t, handle)
         return handle
@@ -324,10 +323,10 @@ class Session:
         offset -= handle.start
         if (
             isinstance(handle, StoredTensor)
-            and handle.compressed is not None
+            and handle.fixed is not None
             and offset == 0
-            and shape == handle.compressed.shape
-            and self._exact.fused_square(handle.codec, dtype, result.device, square)
+            and shape == handle.site.stored_shape
+            and self._exact.fused_square(handle.site.codec, dtype, result.device, square)
         ):
             recomputed = SquareOf(handle, square, result)  # decoded with its source, in one pass
         else:
@@ -381,20 +380,31 @@ class Session:
         empty the arenas for the new step where nothing they hold is alive."""
         for arena in self._arenas.values():
             arena.drain()  # the last step's reports: its encoders ran before its backward
-        demand = {arena: [0, 0] for arena in self._arenas.values()}
+        # An arena that no tensor of the step reached (a forward that saved nothing it would
+        # store, or steps of several threads interleaved) keeps its size.
+        demand = dict.fromkeys(self._arenas.values(), (None, None))
         for site, (arena, dense_bytes, fixed_words, value_words) in self._collector.sites.items():
+            if demand[arena][0] is None:
+                demand[arena] = (0, 0)
             if dense_bytes < PROFITABLE_RATIO * 4 * (fixed_words + value_words):
                 self._unprofitable.add(site)
             else:
-                demand[arena][0] += fixed_words
-                demand[arena][1] += value_words
+                demand[arena] = (demand[arena][0] + fixed_words, demand[arena][1] + value_words)
         self._stale_arenas = False
         for arena, (fixed_words, value_words) in demand.items():
+            values = arena.values
             self._stale_arenas |= not arena.begin_step(fixed_words, value_words)
+            if arena.values is not values:  # released: the sites must not keep it alive
+                self._forget_buffers()
         self._step += 1
         self._collector = StepCollector(self._step)
         self._backward_seen = False
         self._forget_saved()
+
+    def _forget_buffers(self) -> None:
+        """Let the sites' prepared codecs go: an arena may change its buffer now."""
+        for site in self._sites.values():
+            site.forget_buffer()
 
     def _released(self) -> None:
         """One compressed tensor fewer (called with the lock held)."""
@@ -430,6 +440,7 @@ class Session:
                 arena.drain()
             self._arenas.clear()
             self._capacities.clear()
+            self._sites.clear()
             self._unprofitable.clear()
             self._exact.clear()
             self.marks.clear()
@@ -443,8 +454,7 @@ def _same_geometry(handle: Handle, t: torch.Tensor) -> bool:
     """Whether ``t`` is exactly the tensor ``handle`` restores."""
     if isinstance(handle, StoredTensor):
         # Only contiguous stored tensors are shared (see _store).
-        dense_shape = handle.compressed.shape if handle.compressed is not None else handle.dense[2]
-        return t.storage_offset() == handle.start and t.is_contiguous() and t.shape == dense_shape
+        return t.storage_offset() == handle.start and t.is_contiguous() and t.shape == handle.site.shape
     return (t.shape, t.stride(), t.storage_offset() - handle.start) == (handle.size, handle.stride, handle.offset)
 
 
@@ -464,13 +474,13 @@ class _Lease:
             self._session._released()
 
 
-def _confirmation(handle_ref, session: Session, collector: StepCollector, site, arena, fixed_words, dense_bytes):
+def _confirmation(handle_ref, session: Session, collector: StepCollector, site: Site, arena):
     """The callback an arena calls with where a stored tensor's values started and ended."""
 
     def confirm(start: int, end: int) -> None:
         fits = end <= arena.values_capacity_words
-        collector.stats.stored_bytes += 4 * (fixed_words + end - start) if fits else dense_bytes
-        collector.add_site(site, arena, dense_bytes, fixed_words, end - start)
+        collector.stats.stored_bytes += 4 * (site.fixed_words + end - start) if fits else site.dense_bytes
+        collector.add_site(site.name, arena, site.dense_bytes, site.fixed_words, end - start)
         if not fits:
             collector.fallbacks["arena_full"] += 1
             session._warn_if_stale()
@@ -481,11 +491,11 @@ def _confirmation(handle_ref, session: Session, collector: StepCollector, site, 
     return confirm
 
 
-def _measured(collector: StepCollector, site: tuple, arena, fixed_words: int, dense_bytes: int):
+def _measured(collector: StepCollector, site: Site, arena):
     """The callback an arena calls with where a measured tensor's values would have gone."""
 
     def record(start: int, end: int) -> None:
-        collector.add_site(site, arena, dense_bytes, fixed_words, end - start)
+        collector.add_site(site.name, arena, site.dense_bytes, site.fixed_words, end - start)
 
     return record
 

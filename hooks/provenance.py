@@ -164,11 +164,10 @@ class _Autograd:
 
     @classmethod
     def kind(cls, node) -> int:
-        rule = cls._rules.get(type(node))
+        rule = cls._rules.get(node.__class__)
         if rule is None:
-            rule = cls._rules[type(node)] = OP_RULES.get(_AUTOGRAD_OPS.get(type(node).__name__), OTHER)
+            rule = cls._rules[node.__class__] = OP_RULES.get(_AUTOGRAD_OPS.get(type(node).__name__), OTHER)
         return rule if rule.__class__ is int else rule(node, cls)
-
 
     @staticmethod
     def scalar(node, name: str):
@@ -185,7 +184,12 @@ class _Autograd:
 
 
 def classify_node(node) -> Provenance | None:
-    """The provenance of the values an autograd node outputs (a saved tensor's ``grad_fn``)."""
+    """The provenance of the values an autograd node outputs (a saved tensor's ``grad_fn``).
+
+    Most saved tensors come from ops of no interest: for those, one lookup of the node's
+    class decides (it runs for every saved tensor)."""
+    if _Autograd._rules.get(node.__class__) == OTHER:
+        return None
     return _classify(node, _Autograd)
 
 
@@ -285,9 +289,13 @@ class Marks:
                 self._spans.prune()
             self._spans.add(t, t.untyped_storage())
 
+    def __bool__(self) -> bool:
+        """Whether any tensor is marked (checked before ``covers``, for every saved tensor)."""
+        return bool(self._spans)
+
     def covers(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lies inside a marked span, unchanged since it was marked."""
-        return bool(len(self._spans)) and self._spans.find(t) is not None
+        return self._spans.find(t) is not None
 
     def clear(self) -> None:
         with self._lock:

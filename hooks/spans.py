@@ -43,7 +43,14 @@ class SpanIndex:
         """Record ``value`` for the span ``t`` covers, at ``t``'s current version."""
         storage = t.untyped_storage()
         entry = (weakref.ref(storage), weakref.ref(value), t.storage_offset(), span_end(t), t.dtype, t._version)
-        self._entries.setdefault(storage.data_ptr(), []).append(entry)
+        entries = self._entries.get(storage.data_ptr())
+        if entries is None:
+            self._entries[storage.data_ptr()] = [entry]
+            return
+        # The caching allocator hands a freed storage's address to the next one: entries of
+        # dead storages there would make every lookup at that address longer.
+        entries[:] = [e for e in entries if e[0]() is storage]
+        entries.append(entry)
 
     def find(self, t: torch.Tensor) -> object | None:
         """The value of a live span that contains ``t``'s elements, unchanged since (same

@@ -22,9 +22,9 @@ from torch.utils.checkpoint import checkpoint
 
 import bitsparse
 from bitsparse import Options, Stats
-from bitsparse.codecs import torch_codec
+from bitsparse.codecs import get_codec, torch_codec
 from bitsparse.format import TileGeometry, compressed_nbytes, dtype_spec
-from bitsparse.hooks import handles
+from bitsparse.hooks import handles, manager
 
 MIN_NUMEL = 1024
 """Small enough that the CPU-sized models below get compressed (the default is 65536)."""
@@ -385,7 +385,7 @@ def test_channels_last_fallback_exact():
 
 def test_kept_dense_tensor_is_its_own_storage_and_geometry():
     t = torch.randn(4, 6, 8).permute(2, 0, 1)[1:]  # a non-contiguous view at an offset
-    handle = handles.StoredTensor(None, t, None, None, None)
+    handle = handles.StoredTensor(t, handles.Site("test", t, get_codec("torch", t.device), False, TileGeometry()))
     handle.confirm(False)
     restored = handle.tensor()
     assert restored.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
@@ -1155,13 +1155,23 @@ def test_mark_non_tensor(value):
 
 # Each thread's graphs keep the arena from being emptied for the other's steps: it says so.
 @pytest.mark.filterwarnings("ignore:BitSparse kept tensors dense:RuntimeWarning")
-def test_two_threads_train_concurrently():
+def test_two_threads_train_concurrently(monkeypatch):
+    # Which step a thread's statistics show depends on the other's timing: count what the
+    # session stores instead.
+    stored = []
+    store = manager.Session._store
+
+    def counting_store(self, *args):
+        handle = store(self, *args)
+        stored.append(handle.fixed is not None)
+        return handle
+
+    monkeypatch.setattr(manager.Session, "_store", counting_store)
     models = [mlp(seed=0), mlp(d_in=48, hidden=192, seed=1)]
     inputs = [mlp_input(3), mlp_input(4, batch=96, d_in=48)]
     expected = [train_step(m, x, contextlib.nullcontext()) for m, x in zip(models, inputs)]
     barrier = threading.Barrier(2)
     errors: list[BaseException] = []
-    compressed = []
 
     def worker(i):
         try:
@@ -1169,7 +1179,6 @@ def test_two_threads_train_concurrently():
                 barrier.wait(timeout=30)
                 got = train_step(models[i], inputs[i], bitsparse.compressing(**OPTIONS))
                 assert_same_grads(got, expected[i])
-                compressed.append(bitsparse.stats().tensors_compressed)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
             barrier.abort()
@@ -1183,7 +1192,7 @@ def test_two_threads_train_concurrently():
     if errors:
         raise errors[0]
     assert alive() == 0
-    assert max(compressed) > 0  # (the steps of the two threads interleave in the statistics)
+    assert any(stored), "no tensor was compressed"
 
 
 def test_hooks_are_thread_local():
@@ -1252,7 +1261,7 @@ def test_new_options_keep_the_one_arena_and_its_size():
 
 
 class FailingCodec:
-    """The torch codec, whose encoder raises once with ``error`` (an out-of-memory, Ctrl-C)."""
+    """The torch codec, whose (prepared) encoder raises once with ``error`` (an out-of-memory, Ctrl-C)."""
 
     def __init__(self, error: BaseException):
         self.error, self.name = error, "torch"
@@ -1260,11 +1269,16 @@ class FailingCodec:
     def __getattr__(self, name):
         return getattr(torch_codec, name)
 
-    def encode(self, *args, **kwargs):
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
-        return torch_codec.encode(*args, **kwargs)
+    def encoder(self, *args):
+        encode_into = torch_codec.encoder(*args)
+
+        def failing_once(*call):
+            if self.error is not None:
+                error, self.error = self.error, None
+                raise error
+            return encode_into(*call)
+
+        return failing_once
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,17 @@ device tensor. Neither entry point synchronizes with the host.
     same pass: backward needs both a ReLU's output and its square, and rereading the output
     to square it cost as much memory traffic as decoding it.
 
+``encoder(stream, cursor, appends, spec, geometry, sign_pack, numel, count_nonzeros, report)``
+    ``encode`` prepared for many calls with the same stream and kind of tensor: returns
+    ``encode_into(x, fixed, base, nonzeros=None, report=None)``, which does what ``encode``
+    does for an ``x`` of ``numel`` elements, given ``nonzeros`` exactly when
+    ``count_nonzeros`` and ``report`` exactly when ``report`` was true. An allocator that
+    stores a save site's tensors step after step prepares once: a call then costs little
+    more host time than the kernel launch.
+
+``decoder(stream, spec, geometry, sign_pack, numel)``
+    ``decode`` prepared likewise: returns ``decode_into(fixed, base, out, square=None)``.
+
 Backends: ``"torch"`` (vectorised PyTorch, any device) and ``"triton"`` (CUDA, or the CPU under
 ``TRITON_INTERPRET=1``). Both write the same masks and tile encodings; the order of tiles in
 the value stream may differ (the Triton encoder claims space with an atomic counter), which
@@ -40,7 +51,7 @@ the per-tile offsets make invisible to decoding.
 from __future__ import annotations
 
 import functools
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -80,6 +91,23 @@ class Codec(Protocol):
         sign_pack: bool,
         report: torch.Tensor | None = None,
     ) -> None: ...
+
+    def encoder(
+        self,
+        stream: torch.Tensor,
+        cursor: torch.Tensor,
+        appends: torch.Tensor,
+        spec: DTypeSpec,
+        geometry: TileGeometry,
+        sign_pack: bool,
+        numel: int,
+        count_nonzeros: bool,
+        report: bool,
+    ) -> Callable[..., None]: ...
+
+    def decoder(
+        self, stream: torch.Tensor, spec: DTypeSpec, geometry: TileGeometry, sign_pack: bool, numel: int
+    ) -> Callable[..., None]: ...
 
     def decode(
         self,
@@ -124,8 +152,7 @@ def get_codec(backend: str | None, device: torch.device) -> Codec:
     elif backend == "triton":
         if not triton_available():
             raise ImportError(
-                "backend='triton' needs the triton package (pip install triton); "
-                "backend='torch' works without it"
+                "backend='triton' needs the triton package (pip install triton); backend='torch' works without it"
             )
         from bitsparse.codecs import triton_codec as codec
     else:

@@ -158,3 +158,17 @@ def decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None):
     out.view(spec.bits_dtype).view(-1).copy_(wrap_signed(value, spec.bits_dtype))
     if square is not None:
         torch.square(out, out=square)
+
+
+def encoder(stream, cursor, appends, spec, geometry, sign_pack, numel, count_nonzeros, report):
+    def encode_into(x, fixed, base, nonzeros=None, report_word=None):
+        encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros, report_word)
+
+    return encode_into
+
+
+def decoder(stream, spec, geometry, sign_pack, numel):
+    def decode_into(fixed, base, out, square=None):
+        decode(fixed, stream, base, out, spec, geometry, sign_pack, square)
+
+    return decode_into

@@ -349,7 +349,8 @@ class _Launcher:
 
     def __call__(self, grid: int, device: int, key: tuple, args: tuple) -> None:
         """Launch ``grid`` programs on CUDA device ``device`` with ``args`` (every parameter,
-        constexprs included, in order); ``key`` must determine Triton's specialization."""
+        constexprs included, in order, pointers as tensors); ``key`` must determine Triton's
+        specialization."""
         if INTERPRETED:
             self._kernel[(grid,)](*args, **self.options)
             return
@@ -357,16 +358,30 @@ class _Launcher:
             with torch.cuda.device(device):
                 self(grid, device, key, args)
             return
-        key = (device,) + key
-        compiled = self._compiled.get(key)
-        if compiled is None or _launch_hooks_set():
+        compiled = self.ready(device, key)
+        if compiled is None:
             # Triton's own path: compiles on first use, and runs any launch hooks (profilers).
             # Where the direct launch below is not known to work, nothing is kept and every
             # launch takes this path.
             compiled = self._kernel[(grid,)](*args, **self.options)
             if _FAST_LAUNCH and _launchable(compiled):
-                self._compiled[key] = compiled
+                self._compiled[(device,) + key] = compiled
             return
+        self.launch(compiled, grid, device, args)
+
+    def ready(self, device: int, key: tuple):
+        """The compiled kernel to ``launch`` directly for ``key`` on ``device``, the current
+        device; None when the launch must go through ``__call__`` (the first with this key, a
+        profiler's launch hooks installed, or the interpreter)."""
+        if INTERPRETED or _launch_hooks_set() or torch._C._cuda_getDevice() != device:
+            return None
+        return self._compiled.get((device,) + key)
+
+    @staticmethod
+    def launch(compiled, grid: int, device: int, args: tuple) -> None:
+        """Launch ``compiled`` (from ``ready``) on the current stream. Pointers in ``args`` may
+        be addresses (ints): the launcher then neither calls ``data_ptr`` nor asks the driver
+        what the pointer is, which was most of a launch's host time."""
         stream = torch._C._cuda_getCurrentRawStream(device)
         compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
 
@@ -517,6 +532,11 @@ def _kernel_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int8) if t.element_size() == 1 else t
 
 
+def _kernel_dtype(spec) -> torch.dtype:
+    """The dtype of ``_kernel_view`` of a tensor of ``spec``."""
+    return torch.int8 if spec.itemsize == 1 else spec.dtype
+
+
 def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
@@ -526,58 +546,84 @@ def _int_class(n: int) -> tuple[bool, bool]:
     return n == 1, n % 16 == 0
 
 
-def encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros=None, report=None):
-    x = _kernel_view(x)
+def encoder(stream, cursor, appends, spec, geometry, sign_pack, numel, count_nonzeros, report):
+    # Everything that depends only on the arguments given here is worked out once: per call,
+    # the launch needs the addresses of the call's tensors and the alignment of two of them.
     tile = geometry.tile_size
-    numel = x.numel()
     num_tiles = -(-numel // tile)
-    device = x.get_device()
+    device = stream.get_device()
     capacity = stream.numel() - 1
-    report_arg = base if report is None else report
-    nonzeros_arg = cursor if nonzeros is None else nonzeros
-    if _gluon_serves(tile, spec, stream) and _aligned(x):  # it loads x in 16-byte vectors of words
-        programs = -(-num_tiles // gluon_kernels.GROUP)
-        constexprs = (tile, spec.bits, gluon_kernels.GROUP, sign_pack, nonzeros is not None, report is not None)
-        args = (x, stream, fixed, cursor, appends, base, report_arg, nonzeros_arg, numel, capacity, num_tiles, programs)
-        key = (x.dtype, _aligned(fixed), _int_class(numel), capacity >= 1 << 31) + constexprs
-        _gluon_encode_launchers[spec.bits](programs, device, key, args + constexprs)
-        return
+    stream_address, cursor_address, appends_address = stream.data_ptr(), cursor.data_ptr(), appends.data_ptr()
+    byte_values = spec.itemsize == 1
+    large = capacity >= 1 << 31
+    gluon = _gluon_serves(tile, spec, stream)
+    if gluon:
+        gluon_launcher = _gluon_encode_launchers[spec.bits]
+        gluon_programs = -(-num_tiles // gluon_kernels.GROUP)
+        gluon_constexprs = (tile, spec.bits, gluon_kernels.GROUP, sign_pack, count_nonzeros, report)
+        gluon_keys = {
+            aligned: (_kernel_dtype(spec), aligned, _int_class(numel), large) + gluon_constexprs
+            for aligned in (False, True)
+        }
     # Only sign packing needs a persistent grid (for its per-program scratch); without it one
     # program per tile measured faster (docs/benchmarks.md).
-    if sign_pack:
-        programs = min(num_tiles, _encode_programs(device))
-        scratch = torch.empty(programs * tile, dtype=spec.bits_dtype, device=x.device)
-    else:
-        programs, scratch = num_tiles, x
+    programs = min(num_tiles, _encode_programs(device)) if sign_pack else num_tiles
     tiles_per_program = -(-num_tiles // programs)
     constexprs = (
         tile,
         spec.bits,
         sign_pack,
         _packed_words_block(tile, spec.packed_bits),
-        nonzeros is not None,
-        report is not None,
+        count_nonzeros,
+        report,
         not INTERPRETED,
     )
-    args = (
-        x,
-        stream,
-        fixed,
-        cursor,
-        appends,
-        base,
-        report_arg,
-        nonzeros_arg,
-        scratch,
-        numel,
-        capacity,
-        num_tiles,
-        programs,
-        tiles_per_program,
-    ) + constexprs
-    key = (x.dtype, _aligned(x), _aligned(stream), _aligned(fixed), _int_class(numel), _int_class(tiles_per_program))
-    key += (capacity >= 1 << 31,) + constexprs
-    _encode_launcher(programs, device, key, args)
+    key_head = (_kernel_dtype(spec),)
+    key_tail = (_aligned(stream),)
+    key_end = (_int_class(numel), _int_class(tiles_per_program), large) + constexprs
+
+    def encode_into(x, fixed, base, nonzeros=None, report_word=None):
+        if byte_values:
+            x = x.view(torch.int8)
+        x_address, fixed_address, base_address = x.data_ptr(), fixed.data_ptr(), base.data_ptr()
+        fixed_aligned = fixed_address % 16 == 0
+        report_arg = base if report_word is None else report_word
+        nonzeros_arg = cursor if nonzeros is None else nonzeros
+        nonzeros_address = cursor_address if nonzeros is None else nonzeros.data_ptr()
+        # The report word may be pinned host memory: passed as a tensor, the launcher asks the
+        # driver for its device address.
+        if gluon and x_address % 16 == 0:  # it loads x in 16-byte vectors of words
+            key = gluon_keys[fixed_aligned]
+            compiled = gluon_launcher.ready(device, key)
+            if compiled is None:
+                args = (x, stream, fixed, cursor, appends, base, report_arg, nonzeros_arg)
+                tail = (numel, capacity, num_tiles, gluon_programs) + gluon_constexprs
+                gluon_launcher(gluon_programs, device, key, args + tail)
+                return
+            args = (x_address, stream_address, fixed_address, cursor_address, appends_address, base_address)
+            tail = (report_arg, nonzeros_address, numel, capacity, num_tiles, gluon_programs) + gluon_constexprs
+            gluon_launcher.launch(compiled, gluon_programs, device, args + tail)
+            return
+        key = key_head + (x_address % 16 == 0,) + key_tail + (fixed_aligned,) + key_end
+        scratch = torch.empty(programs * tile, dtype=spec.bits_dtype, device=x.device) if sign_pack else x
+        compiled = _encode_launcher.ready(device, key)
+        if compiled is None:
+            args = (x, stream, fixed, cursor, appends, base, report_arg, nonzeros_arg, scratch)
+            tail = (numel, capacity, num_tiles, programs, tiles_per_program) + constexprs
+            _encode_launcher(programs, device, key, args + tail)
+            return
+        args = (x_address, stream_address, fixed_address, cursor_address, appends_address, base_address, report_arg)
+        tail = (nonzeros_address, scratch.data_ptr(), numel, capacity, num_tiles, programs, tiles_per_program)
+        _encode_launcher.launch(compiled, programs, device, args + tail + constexprs)
+
+    return encode_into
+
+
+def encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros=None, report=None):
+    prepared = encoder(
+        stream, cursor, appends, spec, geometry, sign_pack, x.numel(), nonzeros is not None, report is not None
+    )
+    prepared(x, fixed, base, nonzeros, report)
 
 
 def measure(x, cursor, appends, spec, geometry, sign_pack, report=None):
@@ -595,24 +641,45 @@ def measure(x, cursor, appends, spec, geometry, sign_pack, report=None):
     _measure_launcher(programs, x.get_device(), key, args)
 
 
-def decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None):
-    out = _kernel_view(out)
+def decoder(stream, spec, geometry, sign_pack, numel):
     tile = geometry.tile_size
-    numel = out.numel()
     num_tiles = -(-numel // tile)
-    if num_tiles == 0:
-        return
-    square_arg = out if square is None else square
-    key = (out.dtype, square_arg.dtype, _aligned(out), _aligned(square_arg), _aligned(stream), _aligned(fixed))
-    key += (_int_class(numel),)
+    device = stream.get_device()
+    stream_address = stream.data_ptr()
+    byte_values = spec.itemsize == 1
     # Measured (docs/benchmarks.md): the Gluon decoder is faster for 8- and 16-bit values and
     # where tiles may be packed, the portable one for raw 32-bit values.
-    if (sign_pack or spec.bits < 32) and _gluon_serves(tile, spec, stream):
-        constexprs = (tile, spec.bits, sign_pack, square is not None)
-        args = (out, square_arg, stream, fixed, base, numel, num_tiles) + constexprs
-        _gluon_decode_launchers[spec.bits](num_tiles, out.get_device(), key + constexprs, args)
-        return
-    parts = DECODE_PARTS[sign_pack]
-    constexprs = (tile, spec.bits, sign_pack, not INTERPRETED, parts, square is not None)
-    args = (out, square_arg, stream, fixed, base, numel, num_tiles) + constexprs
-    _decode_launcher(num_tiles * parts, out.get_device(), key + constexprs, args)
+    gluon = (sign_pack or spec.bits < 32) and _gluon_serves(tile, spec, stream)
+    launcher = _gluon_decode_launchers[spec.bits] if gluon else _decode_launcher
+    programs = num_tiles if gluon else num_tiles * DECODE_PARTS[sign_pack]
+    tail = (numel, num_tiles)
+    if gluon:
+        constexprs = {square: (tile, spec.bits, sign_pack, square) for square in (False, True)}
+    else:
+        parts = DECODE_PARTS[sign_pack]
+        constexprs = {square: (tile, spec.bits, sign_pack, not INTERPRETED, parts, square) for square in (False, True)}
+    dtype = _kernel_dtype(spec)
+    stream_aligned = _aligned(stream)
+
+    def decode_into(fixed, base, out, square=None):
+        if num_tiles == 0:
+            return
+        if byte_values:
+            out = out.view(torch.int8)
+        square_arg = out if square is None else square
+        out_address, square_address, fixed_address = out.data_ptr(), square_arg.data_ptr(), fixed.data_ptr()
+        key = (dtype, dtype, out_address % 16 == 0, square_address % 16 == 0, stream_aligned, fixed_address % 16 == 0)
+        key += (_int_class(numel),) + constexprs[square is not None]
+        compiled = launcher.ready(device, key)
+        if compiled is None:
+            args = (out, square_arg, stream, fixed, base) + tail + constexprs[square is not None]
+            launcher(programs, device, key, args)
+            return
+        args = (out_address, square_address, stream_address, fixed_address, base.data_ptr()) + tail
+        launcher.launch(compiled, programs, device, args + constexprs[square is not None])
+
+    return decode_into
+
+
+def decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None):
+    decoder(stream, spec, geometry, sign_pack, out.numel())(fixed, base, out, square)
