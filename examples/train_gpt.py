@@ -7,8 +7,11 @@ standard library, read as bytes (a vocabulary of 256), so nothing is downloaded.
 
     python examples/train_gpt.py                  # tiny on the CPU (under 2 minutes), larger on CUDA
     python examples/train_gpt.py --steps 50 --plot training.png
+    torchrun --nproc-per-node 2 examples/train_gpt.py --ddp   # data-parallel, one GPU per process
 
-The first step checks that the gradients with and without BitSparse are identical.
+The first step checks that the gradients with and without BitSparse are identical. With
+``--ddp`` every process trains a DistributedDataParallel replica on its own shard of the text
+(NCCL on CUDA, gloo on the CPU) with BitSparse's hooks in the same place, and process 0 prints.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import bitsparse
+from bitsparse.bench.distributed import init_from_torchrun
 from bitsparse.bench.models import GPT, GPTConfig
 from bitsparse.bench.training import deterministic_kernels
 
@@ -86,6 +91,14 @@ def check_gradients(model, tokens, targets) -> str:
     return "identical with and without BitSparse (bit for bit)"
 
 
+def mean_over_processes(value: torch.Tensor) -> float:
+    """``value`` (a one-element tensor) averaged over the processes of the default group; waits
+    for the device."""
+    total = value.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
 def progress(step: int, total: int, width: int = 20) -> str:
     done = width * step // total
     return f"[{'#' * done}{'.' * (width - done)}] {step:>{len(str(total))}}/{total}"
@@ -112,30 +125,60 @@ def plot(path: str, losses: list[float], zeros: list[float]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Train as the command line ``argv`` says; the run's summary (losses, median step time, MLP
+    zeros, compression ratio). With ``--ddp``, in the process group torchrun describes, which
+    is left at the end.
+
+    Raises:
+        SystemExit: bad arguments, ``--ddp`` without torchrun, or gradients that differ with
+            and without BitSparse.
+    """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=CONFIGS, help="default: tiny on the CPU, small on CUDA")
     parser.add_argument("--steps", type=int, help="training steps (default: the config's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--plot", metavar="FILE", help="write a PNG of loss and MLP zeros")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ddp", action="store_true", help="data-parallel over the processes torchrun starts")
     args = parser.parse_args(argv)
+    if not args.ddp:
+        return train(args, torch.device(args.device))
+    device = init_from_torchrun(torch.device(args.device).type)
+    try:
+        return train(args, device)
+    finally:
+        dist.destroy_process_group()
 
-    device = torch.device(args.device)
+
+def train(args: argparse.Namespace, device: torch.device) -> dict:
+    """Train as ``args`` say on ``device``, with ``--ddp`` in the process group ``main`` joined;
+    the summary ``main`` returns."""
+    rank, processes = (dist.get_rank(), dist.get_world_size()) if args.ddp else (0, 1)
+
+    def say(*line: str) -> None:
+        if rank == 0:
+            print(*line, flush=True)
+
     config, length, batch, steps, lr = CONFIGS[args.config or ("small" if device.type == "cuda" else "tiny")]
     steps = args.steps or steps
     torch.manual_seed(args.seed)
     data = standard_library_bytes(limit=8 << 20)
     model = GPT(config).to(device)
+    if args.ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    stream = batches(data, length, batch, device, torch.Generator().manual_seed(args.seed))
-    print(
-        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters on {device}, "
-        f"{len(data) / 1e6:.1f} MB of standard-library source, batch {batch} x {length} bytes",
-        flush=True,
+    shard = data.tensor_split(processes)[rank]
+    stream = batches(shard, length, batch, device, torch.Generator().manual_seed(args.seed))
+    where = f"on {processes} processes (DDP, {dist.get_backend()}), " if args.ddp else ""
+    say(
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters on {device}, {where}"
+        f"{len(data) / 1e6:.1f} MB of standard-library source, batch {batch} x {length} bytes"
+        + (" per process (statistics: process 0's)" if args.ddp else "")
     )
 
     tokens, targets = next(stream)
-    print(f"gradients: {check_gradients(model, tokens, targets)}", flush=True)
+    # Under DDP the compared gradients are all-reduced: every process reaches the same verdict.
+    say(f"gradients: {check_gradients(model, tokens, targets)}")
 
     losses, zeros, times = [], [], []
     for step in range(1, steps + 1):
@@ -145,16 +188,16 @@ def main(argv: list[str] | None = None) -> dict:
             loss = model(tokens, targets)
         loss.backward()
         optimizer.step()
-        value = loss.item()  # waits for the step; the time below is the whole step's
+        # Waits for the step: the time below is the whole step's.
+        value = mean_over_processes(loss) if args.ddp else loss.item()
         elapsed = time.perf_counter() - start
         stats = bitsparse.stats()
         losses.append(value)
         zeros.append(stats.zero_fraction)
         times.append(elapsed)
-        print(
+        say(
             f"{progress(step, steps)}  loss {value:.3f}  {1000 * elapsed:6.1f} ms  "
-            f"MLP zeros {100 * stats.zero_fraction:4.1f}%  | {stats}",
-            flush=True,
+            f"MLP zeros {100 * stats.zero_fraction:4.1f}%  | {stats}"
         )
         tokens, targets = next(stream)
 
@@ -166,14 +209,14 @@ def main(argv: list[str] | None = None) -> dict:
         "final_zero_fraction": zeros[-1],
         "compression_ratio": stats.ratio,
     }
-    print(
+    say(
         f"done: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} over {steps} steps, "
         f"median step {summary['median_step_ms']:.1f} ms, MLP zeros {100 * zeros[-1]:.1f}%, "
         f"saved activations {stats.ratio:.2f}x smaller"
     )
-    if args.plot:
+    if args.plot and rank == 0:
         plot(args.plot, losses, zeros)
-        print(f"plot written to {args.plot}")
+        say(f"plot written to {args.plot}")
     return summary
 
 
