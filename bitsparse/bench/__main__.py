@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from bitsparse.bench import codec, gpt, mlp, steps
+from bitsparse.bench import codec, distributed, gpt, hooks, mlp, steps, vision
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -14,6 +14,11 @@ def main(argv: list[str] | None = None) -> None:
     gpt.add_arguments(suites.add_parser("gpt", help="12-layer GPT: memory and step time per mode"))
     mlp.add_arguments(suites.add_parser("mlp", help="MLP stack: memory and step time per mode"))
     steps.add_arguments(suites.add_parser("steps", help="peak memory of each of the first steps, dense and BitSparse"))
+    hooks.add_arguments(suites.add_parser("hooks", help="host time the hooks add per stored and per skipped tensor"))
+    vision.add_arguments(suites.add_parser("vision", help="ResNet-50: memory and step time per mode (torchvision)"))
+    distributed.add_arguments(
+        suites.add_parser("distributed", help="12-layer GPT with FSDP2 under torchrun: memory and step time per GPU")
+    )
     args = parser.parse_args(argv)
     if args.suite == "codec" and args.sweep:
         codec.sweep(args)
@@ -27,6 +32,12 @@ def main(argv: list[str] | None = None) -> None:
         steps.child(args)
     elif args.suite == "steps":
         steps.run(args)
+    elif args.suite == "hooks":
+        hooks.run(args)
+    elif args.suite == "vision":
+        vision.run(args)
+    elif args.suite == "distributed":
+        distributed.run(args)
 
 
 if __name__ == "__main__":

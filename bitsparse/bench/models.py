@@ -1,6 +1,7 @@
-"""Models the benchmarks train: a GPT in the style of Modded-NanoGPT and a residual MLP stack.
+"""Models the benchmarks train: a GPT in the style of Modded-NanoGPT, a residual MLP stack and
+torchvision's ResNet-50 (for the ``vision`` and ``steps`` suites).
 
-Both are written in plain PyTorch, with the ReLU^2 MLP as ``fc(x).relu_().square()``, so
+The first two are written in plain PyTorch, with the ReLU^2 MLP as ``fc(x).relu_().square()``, so
 BitSparse sees them exactly as it would see a user's model. The GPT's loss is fused (see
 ``bitsparse.bench.cross_entropy``).
 """
@@ -140,6 +141,31 @@ class MLPStack(nn.Module):
     def units(self) -> nn.ModuleList:
         """The repeated modules, which ``--compile-scope block`` compiles one by one."""
         return self.layers
+
+    def set_checkpointing(self, enabled: bool) -> None:
+        self.checkpointing = enabled
+
+
+class ResNetStages(nn.Module):
+    """torchvision's ResNet-50 whose four stages can each run under checkpointing (the
+    counterpart of checkpointing each MLP of the GPT). Needs torchvision."""
+
+    def __init__(self):
+        super().__init__()
+        import torchvision
+
+        self.resnet = torchvision.models.resnet50()
+        self.checkpointing = False
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        r = self.resnet
+        x = r.maxpool(r.relu(r.bn1(r.conv1(images))))
+        for stage in self.units():
+            x = checkpoint(stage, x, use_reentrant=False) if self.checkpointing else stage(x)
+        return r.fc(torch.flatten(r.avgpool(x), 1))
+
+    def units(self) -> list[nn.Module]:
+        return [self.resnet.layer1, self.resnet.layer2, self.resnet.layer3, self.resnet.layer4]
 
     def set_checkpointing(self, enabled: bool) -> None:
         self.checkpointing = enabled

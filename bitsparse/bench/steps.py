@@ -2,10 +2,12 @@
 with BitSparse, each mode in a fresh process.
 
 A step is ``optimizer.zero_grad(); loss.backward(); optimizer.step()`` with SGD, the loss's
-forward inside ``bitsparse.compressing()`` for BitSparse. A step's peak is the most memory
+forward inside the mode's context (``bitsparse.compressing()`` for BitSparse; see
+``training.mode_context``). A step's peak is the most memory
 allocated during it, everything the process holds included: the model, its gradients and
 BitSparse's arena. Models: the benchmarks' 12-layer GPT (``gpt``), torchvision's ResNet-50
-(``resnet50``: batch 128, 224x224, bfloat16 autocast, channels-last; needs torchvision) and a
+(``resnet50``: batch 128, 224x224, bfloat16 autocast, channels-last; needs torchvision;
+the ``vision`` suite runs it in more modes) and a
 Hugging Face OPT of 12 layers, d=1024, with ReLU (``opt``: random weights from its config, no
 download; needs transformers).
 """
@@ -21,9 +23,11 @@ import sys
 
 import torch
 
-import bitsparse
+from bitsparse.bench import training
 
 MODES = ("dense", "bitsparse")
+CHILD_MODES = ("dense", "checkpoint", "offload", "bitsparse")
+"""Modes a child process can run (``checkpoint``: the models that have ``set_checkpointing``)."""
 MODELS = ("gpt", "resnet50", "opt")
 DEFAULT_LENGTH = {"gpt": 12000, "opt": 4096}
 """Tokens per sequence, by model (the GPT suite's length; the OPT of a Hugging Face repro)."""
@@ -44,10 +48,11 @@ def build(model_name: str, length: int | None, batch: int | None, quick: bool):
         tokens = torch.randint(config.vocab, (batch, length), device=device)
         return model, lambda: model(tokens, tokens)
     if model_name == "resnet50":
-        import torchvision
+        from bitsparse.bench.models import ResNetStages
 
-        model = torchvision.models.resnet50().to(device=device, memory_format=torch.channels_last)
-        images = torch.randn(batch, 3, 224, 224, device=device).to(memory_format=torch.channels_last)
+        size = 64 if quick else 224
+        model = ResNetStages().to(device=device, memory_format=torch.channels_last)
+        images = torch.randn(batch, 3, size, size, device=device).to(memory_format=torch.channels_last)
         labels = torch.randint(1000, (batch,), device=device)
 
         def loss_fn():
@@ -77,6 +82,8 @@ def step_peaks(model_name: str, mode: str, steps: int, length: int | None, batch
     model, loss_fn = build(model_name, length, batch, quick)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     options = {"min_numel": 1024} if quick else {}
+    if mode == "checkpoint":
+        model.set_checkpointing(True)
     cuda = torch.cuda.is_available()
     peaks = []
     for _ in range(steps):
@@ -84,7 +91,7 @@ def step_peaks(model_name: str, mode: str, steps: int, length: int | None, batch
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         optimizer.zero_grad()
-        with bitsparse.compressing(**options) if mode == "bitsparse" else torch.enable_grad():
+        with training.mode_context(mode, **options):
             loss = loss_fn()
         loss.backward()
         optimizer.step()
@@ -99,14 +106,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     """Each model and mode in a fresh process; print a table per model, write ``steps.csv``."""
     rows = []
     for model_name in args.models:
-        peaks = {}
-        for mode in MODES:
-            command = [sys.executable, "-m", "bitsparse.bench", "steps", "--child", mode, "--models", model_name]
-            command += ["--steps", str(args.steps)] + (["--quick"] if args.quick else [])
-            command += ["--length", str(args.length)] if args.length else []
-            command += ["--batch", str(args.batch)] if args.batch else []
-            result = subprocess.run(command, capture_output=True, text=True, check=True)
-            peaks[mode] = json.loads(result.stdout.strip().splitlines()[-1])
+        peaks = {mode: peaks_in_fresh_process(model_name, mode, args) for mode in MODES}
         print(f"{model_name}: peak allocated per step, MiB (each mode in a fresh process)")
         print(f"{'step':>4}  {'dense':>10}  {'bitsparse':>10}  {'ratio':>6}")
         for step, (dense, compressed) in enumerate(zip(peaks["dense"], peaks["bitsparse"]), 1):
@@ -119,6 +119,18 @@ def run(args: argparse.Namespace) -> list[dict]:
         writer.writeheader()
         writer.writerows(rows)
     return rows
+
+
+def peaks_in_fresh_process(model_name: str, mode: str, args: argparse.Namespace) -> list[int]:
+    """``step_peaks`` of ``model_name`` in ``mode``, run in a new Python process (so nothing
+    an earlier mode allocated or cached counts), with ``args.steps``, ``length``, ``batch``
+    and ``quick``."""
+    command = [sys.executable, "-m", "bitsparse.bench", "steps", "--child", mode, "--models", model_name]
+    command += ["--steps", str(args.steps)] + (["--quick"] if args.quick else [])
+    command += ["--length", str(args.length)] if getattr(args, "length", None) else []
+    command += ["--batch", str(args.batch)] if args.batch else []
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def child(args: argparse.Namespace) -> None:
@@ -134,4 +146,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, help=f"sequences or images per step (default {DEFAULT_BATCH})")
     parser.add_argument("--quick", action="store_true", help="tiny models that run on the CPU")
     parser.add_argument("--out", default=".", help="folder for steps.csv")
-    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=CHILD_MODES, help=argparse.SUPPRESS)
