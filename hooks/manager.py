@@ -25,7 +25,7 @@ from bitsparse.format import SUPPORTED_DTYPES, TileGeometry
 from bitsparse.hooks.exactness import ExactnessChecks
 from bitsparse.hooks.handles import Handle, Recomputed, Site, SquareOf, StoredTensor, ViewOf, check_version
 from bitsparse.hooks.options import Options
-from bitsparse.hooks.provenance import Marks, Provenance, classify_node, node_key, squared_input
+from bitsparse.hooks.provenance import UNRELATED_NODES, Marks, Provenance, classify_node, node_key, squared_input
 from bitsparse.hooks.spans import SpanIndex
 from bitsparse.hooks.stats import Stats, StepCollector
 
@@ -85,14 +85,13 @@ class Session:
             base = t
         node = base.grad_fn  # a view holds its base's values: the base's node says what they are
         numel = t.numel()
-        provenance = None
         if numel < options.min_numel or not numel:
             reason = "small"
         elif node is None and base.requires_grad:  # a parameter, or a view of one (weight.t())
             reason = "parameter"
         else:
-            provenance = classify_node(node)
-            if provenance is not Provenance.RELU and self.marks and self.marks.covers(t):
+            provenance = None if node.__class__ in UNRELATED_NODES else classify_node(node)
+            if provenance is not Provenance.RELU and self.marks.any and self.marks.covers(t):
                 provenance = Provenance.RELU
             if provenance is None and options.select == "relu":
                 reason = "not_relu_family"
@@ -104,9 +103,7 @@ class Session:
                 reason = "large"
             else:
                 return self._pack_candidate(options, t, node, provenance)
-        collector = self._collector
-        collector.stats.tensors_seen += 1
-        collector.skipped[reason] += 1
+        self._collector.skipped[reason] += 1  # tensors_seen counts them at the step's end
         # Kept without its history: a tensor saved by the node that made it (tanh's result)
         # would hold that node, which holds it, in a cycle that only backward breaks (Python's
         # collector cannot see it). A tensor without a node (a parameter, an input) cannot be
@@ -123,11 +120,11 @@ class Session:
                 self._begin_step()
             collector = self._collector
             stats = collector.stats
-            stats.tensors_seen += 1
             # The same tensor saved again (a square's input is ReLU's output): the same slot.
             again = self._packed.get(id(t))
             slot = again() if again is not None else None
             if slot is not None and slot.watches(t):
+                stats.tensors_seen += 1
                 stats.tensors_deduplicated += 1
                 slot.slots += 1
                 return slot
@@ -136,6 +133,7 @@ class Session:
                 reason = "unprofitable_site" if site.order is not None else "overlapping_or_gapped"
                 collector.skipped[reason] += 1
                 return (t if node is None else t.detach()), t._version
+            stats.tensors_seen += 1
             # Confirmed tensors release their dense copy here, during the forward.
             self._poll()
             found = self._stored.find(t)
@@ -164,11 +162,11 @@ class Session:
             if self._step_over():
                 self._begin_step()
             collector = self._collector
-            collector.stats.tensors_seen += 1
             site = self._site(options, t, name, options.sign_pack)
             if site.name in self._unprofitable or site.order is None:
                 collector.skipped["unprofitable_site" if site.order is not None else "overlapping_or_gapped"] += 1
                 return StoredTensor(t, site)
+            collector.stats.tensors_seen += 1
             self._poll()
             handle = self._store(options, t, site)
             handle.slots = 1
@@ -201,12 +199,13 @@ class Session:
         """The save site of ``t``, whose producer is the autograd node ``producer`` (or the
         name a compiled graph gives the site)."""
         base = t._base
+        # The device's index (-1: the CPU) costs less host time than the device.
         if isinstance(producer, str):
-            key = (producer, t.shape, t.stride(), t.dtype, t.device, options.backend, sign_pack)
+            key = (producer, t.shape, t.stride(), t.dtype, t.get_device(), options.backend, sign_pack)
         else:
             # All views of one tensor share their site's name.
             base_shape = t.shape if base is None else base.shape
-            key = (producer.__class__, base_shape, t.shape, t.stride(), t.dtype, t.device, options.backend, sign_pack)
+            key = (producer.__class__, base_shape, t.shape, t.stride(), t.dtype, t.get_device(), options.backend, sign_pack)
         site = self._sites.get(key)
         if site is None:
             if len(self._sites) >= MAX_SITES:  # shapes that change at every step

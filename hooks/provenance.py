@@ -167,6 +167,8 @@ class _Autograd:
         rule = cls._rules.get(node.__class__)
         if rule is None:
             rule = cls._rules[node.__class__] = OP_RULES.get(_AUTOGRAD_OPS.get(type(node).__name__), OTHER)
+            if rule == OTHER:
+                UNRELATED_NODES.add(node.__class__)
         return rule if rule.__class__ is int else rule(node, cls)
 
     @staticmethod
@@ -183,13 +185,14 @@ class _Autograd:
         return node.next_functions[0][0]
 
 
-def classify_node(node) -> Provenance | None:
-    """The provenance of the values an autograd node outputs (a saved tensor's ``grad_fn``).
+UNRELATED_NODES: set[type] = set()
+"""The autograd node classes seen so far whose outputs the rule never selects, whatever
+their inputs (most saved tensors come from such ops): a pack that finds its tensor's node
+class here knows ``classify_node`` would return None, at the cost of a set lookup."""
 
-    Most saved tensors come from ops of no interest: for those, one lookup of the node's
-    class decides (it runs for every saved tensor)."""
-    if _Autograd._rules.get(node.__class__) == OTHER:
-        return None
+
+def classify_node(node) -> Provenance | None:
+    """The provenance of the values an autograd node outputs (a saved tensor's ``grad_fn``)."""
     return _classify(node, _Autograd)
 
 
@@ -280,6 +283,8 @@ class Marks:
     def __init__(self):
         self._spans = SpanIndex()
         self._lock = threading.Lock()
+        self.any = False
+        """Whether any tensor is marked (read before ``covers``, for every saved tensor)."""
 
     def mark(self, t: torch.Tensor) -> None:
         if t.is_inference():  # no version counter: it can never be saved for backward
@@ -288,10 +293,7 @@ class Marks:
             if len(self._spans) > MAX_MARKED_STORAGES:
                 self._spans.prune()
             self._spans.add(t, t.untyped_storage())
-
-    def __bool__(self) -> bool:
-        """Whether any tensor is marked (checked before ``covers``, for every saved tensor)."""
-        return bool(self._spans)
+            self.any = True
 
     def covers(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lies inside a marked span, unchanged since it was marked."""
@@ -300,3 +302,4 @@ class Marks:
     def clear(self) -> None:
         with self._lock:
             self._spans.clear()
+            self.any = False

@@ -43,9 +43,10 @@ class SpanIndex:
         """Record ``value`` for the span ``t`` covers, at ``t``'s current version."""
         storage = t.untyped_storage()
         entry = (weakref.ref(storage), weakref.ref(value), t.storage_offset(), span_end(t), t.dtype, t._version)
-        entries = self._entries.get(storage.data_ptr())
+        address = storage.data_ptr()
+        entries = self._entries.get(address)
         if entries is None:
-            self._entries[storage.data_ptr()] = [entry]
+            self._entries[address] = [entry]
             return
         # The caching allocator hands a freed storage's address to the next one: entries of
         # dead storages there would make every lookup at that address longer.

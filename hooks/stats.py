@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from dataclasses import dataclass, field, fields
 
@@ -121,8 +122,9 @@ class StepCollector:
         """
         for arena in self.arenas:
             arena.drain()
-        s = self.stats
+        s = copy.copy(self.stats)
         s.tensors_skipped, s.fallbacks = dict(self.skipped), dict(self.fallbacks)
+        s.tensors_seen += sum(self.skipped.values())
         nonzeros = sum(int(n) for n in self.nonzeros.values())
         s.zero_fraction = 1 - nonzeros / self.numel if self.numel else 0.0
         usages = [arena.usage() for arena in self.arenas]

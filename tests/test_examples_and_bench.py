@@ -1,5 +1,6 @@
 """The training example and the benchmark suites, in their small CPU configurations."""
 
+import argparse
 import csv
 import importlib.util
 import os
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import bitsparse
+from bitsparse.bench import hooks
 from bitsparse.bench.__main__ import main as bench
 from bitsparse.bench.codec import CASES, time_ms
 from bitsparse.bench.training import CUBLAS_DETERMINISTIC_WORKSPACE, MODES, deterministic_kernels
@@ -74,6 +77,22 @@ def test_steps_suite_quick(tmp_path, capsys):
     rows = read_csv(tmp_path / "steps.csv")
     assert [(r["model"], r["step"]) for r in rows] == [("gpt", "1"), ("gpt", "2"), ("gpt", "3")]
     assert "gpt: peak allocated per step" in capsys.readouterr().out
+
+
+def test_hooks_suite_quick(capsys):
+    rows = hooks.run(argparse.Namespace(tensors=6, numel=4096, repeats=2, warmup=1, profile=None))
+    assert [(r["chain"], r["mode"]) for r in rows] == [
+        (chain, mode) for chain in hooks.CHAINS for mode in hooks.MODES[1:]
+    ]
+    # The last step was the skipped chain's under compressing(): its six tanh outputs screened out.
+    last = bitsparse.stats()
+    assert last.tensors_compressed == 0 and last.tensors_skipped == {"not_relu_family": 6}
+    assert "stored  bitsparse" in capsys.readouterr().out
+
+
+def test_vision_suite_quick(tmp_path):
+    pytest.importorskip("torchvision")
+    bench(["vision", "--quick", "--steps", "2", "--repeats", "1", "--warmup", "1"])
 
 
 def test_codec_suite_quick(tmp_path):

@@ -122,13 +122,30 @@ def test_many_tensors_in_one_buffer():
     assert int(buf.cursor) == end
 
 
+class LaunchSpy:
+    """A ``_Launcher`` that records the arguments of every launch, through Triton or direct."""
+
+    def __init__(self, launcher):
+        self.launcher, self.calls = launcher, []
+
+    def __call__(self, grid, device, key, args):
+        self.calls.append(args)
+        self.launcher(grid, device, key, args)
+
+    def ready(self, device, key):
+        return self.launcher.ready(device, key)
+
+    def launch(self, compiled, grid, device, args):
+        self.calls.append(args)
+        self.launcher.launch(compiled, grid, device, args)
+
+
 def gluon_launches(monkeypatch, launchers: dict, bits: int) -> list:
     """The launches of a Gluon kernel (``launchers``: the encoders' or the decoders' per-width
     launchers) for ``bits``-bit values from now on (a list that grows)."""
-    launch = launchers[bits]
-    calls = []
-    monkeypatch.setitem(launchers, bits, lambda *args: (calls.append(args), launch(*args)))
-    return calls
+    spy = LaunchSpy(launchers[bits])
+    monkeypatch.setitem(launchers, bits, spy)
+    return spy.calls
 
 
 def gluon_encodes(monkeypatch, bits: int) -> list:
@@ -230,7 +247,10 @@ def test_gluon_encoder_ignores_values_past_the_end(dtype, monkeypatch):
 def test_launch_key_determines_the_compiled_kernel(monkeypatch):
     """Launches skip Triton's argument binding, reusing the kernel compiled for their key:
     for every launch, the kernel Triton itself would pick must be that one. (On a Triton whose
-    launcher was not checked, every launch goes through Triton and nothing is kept.)"""
+    launcher was not checked, every launch goes through Triton and nothing is kept.) Here every
+    launch goes through ``__call__``, which checks it; the direct launches of the other tests
+    restore their tensors bit for bit."""
+    monkeypatch.setattr(triton_codec._Launcher, "ready", lambda self, device, key: None)
     launches = []
     launch = triton_codec._Launcher.__call__
 
