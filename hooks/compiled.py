@@ -7,27 +7,37 @@ the forward's epilogue and the unpack hook into the backward's prologue (a priva
 it). While it traces them, ``_get_saved_tensor_hook_context()`` names the saved FX node, so the
 choice of what to compress is made once, at compile time, by the same rule as in eager mode
 (``provenance.classify_fx_node``): a selected tensor's pack becomes a ``bitsparse::store`` op,
-its unpack a ``bitsparse::restore`` op, and every other saved tensor passes through untouched,
-with no Python at run time. Eager autograd calls the same two objects as plain hooks, which go
-straight to the eager path (``Session.pack``/``unpack``).
+its unpack a ``bitsparse::restore_into`` op, and every other saved tensor passes through
+untouched, with no Python at run time. Eager autograd calls the same two objects as plain
+hooks, which go straight to the eager path (``Session.pack``/``unpack``).
 
 The ops are Python custom ops: ``store`` hands the tensor to the session, which compresses it
 into the device's arena exactly as in eager mode (measured when there is no room, confirmed
 asynchronously, leases, statistics) and returns a *key*, a one-element CPU tensor naming the
-handle; ``restore`` decodes the handle the key names. The compiled graph saves only the key,
-so the handle lives exactly as long as the graph's saved tensors do. As in eager mode, a
-handle keeps the tensor's memory until the arena confirms that its values fit (and for good
-where they do not); compiled code would write over a buffer once past its last use (inductor
-reuses buffers and computes in place), so while BitSparse's hooks are installed, graphs are
-compiled without that (``allow_buffer_reuse`` and ``inplace_buffers`` off): a freed buffer
-goes back to the caching allocator, which does not hand out memory a handle still holds.
+handle; ``restore_into`` decodes the handle the key names into a buffer the backward graph
+allocated. The compiled graph saves only the key, so the handle lives exactly as long as the
+graph's saved tensors do. As in eager mode, a handle keeps the tensor's memory until the arena
+confirms that its values fit (and for good where they do not); compiled code would write over
+a buffer once past its last use (inductor reuses buffers and computes in place), so while
+BitSparse's hooks are installed, graphs are compiled without that (``allow_buffer_reuse`` and
+``inplace_buffers`` off): a freed buffer goes back to the caching allocator, which does not
+hand out memory a handle still holds.
 
-The partitioner decides what a compiled forward saves; left alone, for ``fc2(relu(fc1(x)) **
-2)`` it saves the dense pre-activation and the square and recomputes the ReLU. ``steer`` is a
-joint-graph pass (``torch._functorch.config.joint_custom_pass``, installed while BitSparse's
-hooks are) that marks each ReLU-family node that would be compressed ``MUST_SAVE`` and the
-squares of it ``PREFER_RECOMPUTE``, the tags selective activation checkpointing gives the
-partitioner: the ReLU output is saved, and compressed, and its square is recomputed from it.
+Three passes steer the compiler:
+
+- The partitioner decides what a compiled forward saves; left alone, for ``fc2(relu(fc1(x))
+  ** 2)`` it saves the dense pre-activation and the square and recomputes the ReLU. ``steer``
+  is a joint-graph pass (``torch._functorch.config.joint_custom_pass``) that marks each
+  ReLU-family node that would be compressed ``MUST_SAVE`` and the squares of it
+  ``PREFER_RECOMPUTE``, the tags selective activation checkpointing gives the partitioner: the
+  ReLU output is saved, and compressed, and its square is recomputed from it.
+- Inductor keeps the traced order of the ops: every store at the forward's end, where it would
+  compute a ReLU it fused into its square again from the pre-activation, kept alive until
+  then, and every restore at the backward's start, which would hold every decoded tensor from
+  there. ``place_ops``, a post-grad pass, moves each store to right after its tensor and each
+  restore to right before its first use.
+- The backward is compiled together with the forward (``force_non_lazy_backward_lowering``),
+  while the passes are installed, rather than at its first run, outside ``compressing()``.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import operator
 import sys
 import threading
 import weakref
@@ -162,7 +173,12 @@ def _trace_unpack(packed):
         return packed
     key, size, stride = packed
     value = _hook_context()["_node"].meta["val"]
-    return torch.ops.bitsparse.restore(key, list(size), list(stride), value.dtype, value.device)
+    # Restored into a buffer of the graph's own, which inductor knows to be aligned (a tensor
+    # an op returns, with the key, a CPU tensor, among its inputs, it takes to be unaligned,
+    # and it would compile the kernels that read it without vectorized loads).
+    out = torch.empty_strided(size, stride, dtype=value.dtype, device=value.device)
+    torch.ops.bitsparse.restore_into(key, out)
+    return out
 
 
 def steer(graph_module: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
@@ -175,7 +191,7 @@ def steer(graph_module: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
     _lower_mark_to_its_input()
     patches = getattr(_steering, "patches", None)
     if patches is not None:
-        _inductor_keeps_freed_buffers(patches)
+        _steer_inductor(patches)
     for node in graph_module.graph.nodes:
         kind = fx_kind(node)
         if kind == RELU and selected(node, options, excluded):
@@ -192,10 +208,11 @@ _steering = threading.local()
 @contextlib.contextmanager
 def steering():
     """For the block: ``steer`` as the joint-graph pass (after any pass already there), and
-    inductor compiling without buffer reuse or in-place computation (see the module's
-    docstring). Both are read when a graph is compiled, which happens under BitSparse's hooks
-    since compiled code guards on them. Inductor's configuration is patched now if inductor is
-    loaded, otherwise by ``steer``, when a compile under the hooks has loaded it."""
+    inductor compiling without buffer reuse or in-place computation, with ``place_ops`` after
+    its post-grad passes (see the module's docstring). All are read when a graph is compiled,
+    which happens under BitSparse's hooks since compiled code guards on them. Inductor's
+    configuration is patched now if inductor is loaded, otherwise by ``steer``, when a compile
+    under the hooks has loaded it."""
     import torch._functorch.config as functorch_config
 
     previous = functorch_config.joint_custom_pass
@@ -208,7 +225,11 @@ def steering():
     outer = getattr(_steering, "patches", None)
     with contextlib.ExitStack() as patches:
         patches.enter_context(functorch_config.patch(joint_custom_pass=joint_pass))
-        _inductor_keeps_freed_buffers(patches)
+        # The backward is compiled with the forward, under these patches, rather than at its
+        # first run, outside the block (where place_ops would not see its restores).
+        if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+            patches.enter_context(functorch_config.patch(force_non_lazy_backward_lowering=True))
+        _steer_inductor(patches)
         _steering.patches = patches
         try:
             yield
@@ -216,12 +237,89 @@ def steering():
             _steering.patches = outer
 
 
-def _inductor_keeps_freed_buffers(patches: contextlib.ExitStack) -> None:
-    """Turn off inductor's buffer reuse and in-place computation until ``patches`` closes, if
-    inductor is loaded and they are on."""
+def _steer_inductor(patches: contextlib.ExitStack) -> None:
+    """Until ``patches`` closes, if inductor is loaded: no buffer reuse or in-place computation,
+    and ``place_ops`` after the post-grad passes (and after any such pass already set)."""
     config = sys.modules.get("torch._inductor.config")
-    if config is not None and (config.allow_buffer_reuse or config.inplace_buffers):
+    if config is None:
+        return
+    if config.allow_buffer_reuse or config.inplace_buffers:
         patches.enter_context(config.patch(allow_buffer_reuse=False, inplace_buffers=False))
+    placement = _placement_pass()
+    if not isinstance(config.post_grad_custom_post_pass, placement):
+        patches.enter_context(config.patch(post_grad_custom_post_pass=placement(config.post_grad_custom_post_pass)))
+
+
+def place_ops(graph: torch.fx.Graph) -> None:
+    """Move each ``store`` to right after the tensor it stores, and each ``restore_into``
+    (with its buffer) to right before the first use of what it restores.
+
+    AOTAutograd traces the packs at the end of the forward and the unpacks at the start of
+    the backward. Inductor follows that order: it would compute a ReLU that it fused into its
+    square again at the end, from the pre-activation kept alive until then, and decode every
+    stored tensor before the backward's first op, holding them all from its start."""
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.target is torch.ops.bitsparse.store.default:
+            source = node.args[0]
+            if isinstance(source, torch.fx.Node) and source.op == "call_function":
+                source.append(node)
+        elif _is_restore(node):
+            _move_before_first_use(graph, node, position)
+
+
+def _is_restore(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a functionalized ``restore_into`` (as inductor's post-grad graphs
+    hold mutating ops)."""
+    higher_order = torch.ops.higher_order
+    functionalized = (getattr(higher_order, "auto_functionalized", None), getattr(higher_order, "auto_functionalized_v2", None))
+    return node.target in functionalized and node.args[0] is torch.ops.bitsparse.restore_into.default
+
+
+def _move_before_first_use(graph: torch.fx.Graph, restore: torch.fx.Node, position: dict) -> None:
+    outputs = list(restore.users)
+    if not all(output.target is operator.getitem for output in outputs):
+        return  # a form this pass does not know: left where it is
+    for output in outputs:
+        if not output.users:
+            graph.erase_node(output)
+    outputs = [output for output in outputs if output.users]
+    uses = [use for output in outputs for use in output.users]
+    if not uses:
+        return
+    first = min(uses, key=position.__getitem__)
+    buffers = [
+        node for node in restore.all_input_nodes
+        if node.target is torch.ops.aten.empty_strided.default and len(node.users) == 1
+    ]  # fmt: skip
+    for node in (*buffers, restore, *outputs):
+        first.prepend(node)
+
+
+@functools.cache
+def _placement_pass() -> type:
+    """The class of inductor post-grad passes that run ``place_ops`` after the pass or passes
+    they were made with (what the configuration held before)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    class PlaceOps(CustomGraphPass):
+        def __init__(self, previous):
+            if previous is None:
+                previous = ()
+            self.previous = tuple(previous) if isinstance(previous, (list, tuple)) else (previous,)
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            for run in self.previous:
+                run(graph)
+            place_ops(graph)
+
+        def uuid(self):
+            # Inductor caches compiled graphs under this key: None (no caching) unless every
+            # pass has one.
+            ids = tuple(p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.previous)
+            return None if None in ids else (get_hash_for_files((__file__,)), *ids)
+
+    return PlaceOps
 
 
 # -- run time ----------------------------------------------------------------------------------
@@ -245,18 +343,17 @@ def _(x, hooks, site):
     return torch.empty(1, dtype=torch.int64)
 
 
-@torch.library.custom_op("bitsparse::restore", mutates_args=())
-def restore(
-    key: torch.Tensor, size: list[int], stride: list[int], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """The tensor whose handle ``key`` names, restored bit for bit."""
+@torch.library.custom_op("bitsparse::restore_into", mutates_args=("out",))
+def restore_into(key: torch.Tensor, out: torch.Tensor) -> None:
+    """Write the tensor whose handle ``key`` names, bit for bit, into ``out`` (of its shape,
+    strides and dtype)."""
     session, handle = _handles[int(key)]
-    return session.unpack_compiled(handle)
+    session.restore_compiled(handle, out)
 
 
-@restore.register_fake
-def _(key, size, stride, dtype, device):
-    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+@restore_into.register_fake
+def _(key, out):
+    return None
 
 
 @torch.library.custom_op("bitsparse::mark", mutates_args=())

@@ -129,12 +129,10 @@ class Site:
     def forget_buffer(self) -> None:
         self.values = self.encode = self.decode = None
 
-    def in_original_order(self, restored: torch.Tensor) -> torch.Tensor:
-        """``restored`` (in memory order) with the original tensor's dims and strides."""
-        if not self.order:
-            return restored
-        inverse = sorted(range(len(self.order)), key=self.order.__getitem__)
-        return restored.permute(inverse)
+    def in_memory_order(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, of the site's shape and strides, with its dims in memory order: contiguous,
+        the view the codec reads and writes."""
+        return t.permute(self.order) if self.order else t
 
 
 def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
@@ -180,9 +178,17 @@ class StoredTensor(Handle):
         if self.dense is not None:
             kept = torch.empty(0, dtype=site.dtype, device=site.device)
             return kept.set_(self.dense, self.start, site.shape, site.stride)
-        out = torch.empty(site.stored_shape, dtype=site.dtype, device=site.device)
-        self.decode(self.fixed, self.base, out)
-        return site.in_original_order(out)
+        out = torch.empty_strided(site.shape, site.stride, dtype=site.dtype, device=site.device)
+        self.decode(self.fixed, self.base, site.in_memory_order(out))
+        return out
+
+    def restore_into(self, out: torch.Tensor) -> None:
+        """Write the restored tensor into ``out``, a tensor of the site's shape, strides and
+        dtype that the caller allocated (a compiled backward's own buffer)."""
+        if self.dense is not None:
+            out.copy_(self._restore())
+        else:
+            self.decode(self.fixed, self.base, self.site.in_memory_order(out))
 
     def squared(self, square: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The elementwise square of the restored tensor, as ``square`` computes it, which
@@ -194,11 +200,11 @@ class StoredTensor(Handle):
         if self._cache is not None or self.dense is not None:
             return square(self.tensor())
         site = self.site
-        value = torch.empty(site.stored_shape, dtype=site.dtype, device=site.device)
+        value = torch.empty_strided(site.shape, site.stride, dtype=site.dtype, device=site.device)
         squared = torch.empty_like(value)
-        self.decode(self.fixed, self.base, value, squared)
-        self._cache = site.in_original_order(value)
-        return site.in_original_order(squared)
+        self.decode(self.fixed, self.base, site.in_memory_order(value), site.in_memory_order(squared))
+        self._cache = value
+        return squared
 
 
 class SquareOf(Handle):

@@ -172,15 +172,14 @@ class Session:
             handle.slots = 1
             return handle
 
-    def unpack_compiled(self, handle: StoredTensor) -> torch.Tensor:
-        """The tensor a compiled backward needs from ``handle``, bit for bit, in memory of its
-        own: the backward, compiled maybe outside BitSparse's hooks, may write over what it is
-        given, and a second backward needs the dense tensor again."""
+    def restore_compiled(self, handle: StoredTensor, out: torch.Tensor) -> None:
+        """Write the tensor ``handle`` restores into ``out``, a compiled backward's buffer (its
+        own memory: the backward may write over it, and a second backward needs the dense
+        tensor of a handle that kept it again)."""
         self._backward_seen = True
         with self._lock:
             self._poll()
-            restored = handle.unpack()
-            return restored.clone() if handle.dense is not None else restored
+            handle.restore_into(out)
 
     def unpack(self, packed) -> torch.Tensor:
         self._backward_seen = True
@@ -199,13 +198,13 @@ class Session:
         """The save site of ``t``, whose producer is the autograd node ``producer`` (or the
         name a compiled graph gives the site)."""
         base = t._base
-        # The device's index (-1: the CPU) costs less host time than the device.
+        device = t.get_device()  # the device's index (-1: the CPU) costs less host time than the device
         if isinstance(producer, str):
-            key = (producer, t.shape, t.stride(), t.dtype, t.get_device(), options.backend, sign_pack)
+            key = (producer, t.shape, t.stride(), t.dtype, device, options.backend, sign_pack)
         else:
             # All views of one tensor share their site's name.
             base_shape = t.shape if base is None else base.shape
-            key = (producer.__class__, base_shape, t.shape, t.stride(), t.dtype, t.get_device(), options.backend, sign_pack)
+            key = (producer.__class__, base_shape, t.shape, t.stride(), t.dtype, device, options.backend, sign_pack)
         site = self._sites.get(key)
         if site is None:
             if len(self._sites) >= MAX_SITES:  # shapes that change at every step
@@ -253,7 +252,7 @@ class Session:
         collector.arenas.add(arena)
         if not arena.on_append_stream():
             return self._kept_dense(t, site, "other_stream")
-        x = t.permute(site.order) if site.order else t
+        x = site.in_memory_order(t)
         fixed = arena.reserve_fixed(site.fixed_words)
         slot, report = arena.next_report(throttled=fixed is not None)
         if fixed is None:

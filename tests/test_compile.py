@@ -32,6 +32,7 @@ from test_hooks import (  # noqa: F401 (clean_session: autouse fixture)
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import bitsparse
+from bitsparse.bench.models import GPT, GPTConfig
 
 
 @pytest.fixture(autouse=True)
@@ -121,6 +122,37 @@ def test_compiled_convnet_with_inplace_relu():
     # The partitioner keeps a one-byte mask for the first ReLU's backward (MaxPool2d saves its
     # indices) and the second ReLU's output, which is stored.
     assert [s.tensors_compressed for s in stats] == [1, 1, 1]
+
+
+def _bitsparse_ops_among_kernels(code: str) -> str:
+    """The order of a compiled graph's calls: ``S`` a store, ``R`` a restore, ``k`` a kernel
+    inductor calls out to (a matrix product, or another op it does not generate)."""
+    calls = {"torch.ops.bitsparse.store.default(": "S", "torch.ops.bitsparse.restore_into.default(": "R"}
+    order = []
+    for line in code.splitlines():
+        line = line.strip()
+        if line.startswith("extern_kernels.") or "torch.ops.aten." in line:
+            order.append("k")
+        order.extend(letter for call, letter in calls.items() if call in line)
+    return "".join(order)
+
+
+def test_compiled_stores_follow_their_tensors_and_restores_precede_their_uses():
+    """The forward stores each ReLU output as its layer computes it (AOTAutograd traces the
+    packs at its end, where inductor would compute each ReLU again from its input, kept alive
+    until then), and the backward decodes each one where it is first needed (not all of them
+    at its start)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=3, dim=32, heads=2, head_dim=16, hidden=128, vocab=64))
+    tokens = torch.randint(64, (1, 64))
+    compiled = torch.compile(model, fullgraph=True)
+    with bitsparse.compressing(min_numel=1024):
+        _, codes = run_and_get_code(lambda: compiled(tokens, tokens))
+    forward, backward = (_bitsparse_ops_among_kernels(code) for code in codes)  # both compiled in the forward
+    assert forward.count("S") == 3 and "SS" not in forward, forward
+    assert backward.count("R") == 3 and "RR" not in backward and not backward.startswith("R"), backward
 
 
 def test_compiled_arena_that_is_full_stays_exact():
