@@ -183,15 +183,16 @@ def _trace_unpack(packed):
 
 def steer(graph_module: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
     """Make the partitioner save each ReLU-family tensor the installed hooks compress, and
-    recompute its squares from it (see the module's docstring)."""
+    recompute its squares from it (see the module's docstring); set inductor up to compile
+    the graph (``_steer_inductor``)."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
     if hooks is None or getattr(hooks[0], "selection", None) is None:
         return graph_module
     options, excluded = hooks[0].selection
     _lower_mark_to_its_input()
-    patches = getattr(_steering, "patches", None)
-    if patches is not None:
-        _steer_inductor(patches)
+    undo = getattr(_steering, "undo", None)
+    if undo is not None:
+        _steer_inductor(undo)
     for node in graph_module.graph.nodes:
         kind = fx_kind(node)
         if kind == RELU and selected(node, options, excluded):
@@ -201,53 +202,72 @@ def steer(graph_module: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
     return graph_module
 
 
+class _JointPass:
+    """``steer`` after the joint-graph pass that was set before it (``previous``)."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, graph_module, inputs):
+        if self.previous is not None:
+            graph_module = self.previous(graph_module, inputs)
+        return steer(graph_module, inputs)
+
+
 _steering = threading.local()
-"""The innermost ``steering`` block of the thread: what it patched, to undo at its end."""
+"""The innermost ``steering`` block of the thread: the configuration it changed, as
+``(config, name, value before)``, to restore at its end."""
 
 
 @contextlib.contextmanager
 def steering():
     """For the block: ``steer`` as the joint-graph pass (after any pass already there), and
-    inductor compiling without buffer reuse or in-place computation, with ``place_ops`` after
-    its post-grad passes (see the module's docstring). All are read when a graph is compiled,
-    which happens under BitSparse's hooks since compiled code guards on them. Inductor's
-    configuration is patched now if inductor is loaded, otherwise by ``steer``, when a compile
-    under the hooks has loaded it."""
+    the backward compiled with the forward, under the block, rather than at its first run,
+    outside it. A graph compiled under BitSparse's hooks (compiled code guards on them, so a
+    compile happens inside a block) also gets ``_steer_inductor``'s settings, from ``steer``.
+    The block restores everything it set when it ends.
+
+    Settings are assigned, not patched with ``config.patch``, which builds a class per patch:
+    four patches per block cost about 0.2 ms of host time per training step."""
     import torch._functorch.config as functorch_config
 
-    previous = functorch_config.joint_custom_pass
-
-    def joint_pass(graph_module, inputs):
-        if previous is not None:
-            graph_module = previous(graph_module, inputs)
-        return steer(graph_module, inputs)
-
-    outer = getattr(_steering, "patches", None)
-    with contextlib.ExitStack() as patches:
-        patches.enter_context(functorch_config.patch(joint_custom_pass=joint_pass))
-        # The backward is compiled with the forward, under these patches, rather than at its
-        # first run, outside the block (where place_ops would not see its restores).
-        if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
-            patches.enter_context(functorch_config.patch(force_non_lazy_backward_lowering=True))
-        _steer_inductor(patches)
-        _steering.patches = patches
-        try:
-            yield
-        finally:
-            _steering.patches = outer
+    undo: list = []
+    values = {}
+    if not isinstance(functorch_config.joint_custom_pass, _JointPass):
+        values["joint_custom_pass"] = _JointPass(functorch_config.joint_custom_pass)
+    if hasattr(functorch_config, "force_non_lazy_backward_lowering"):  # place_ops sees the restores
+        values["force_non_lazy_backward_lowering"] = True
+    _assign(functorch_config, values, undo)
+    outer = getattr(_steering, "undo", None)
+    _steering.undo = undo
+    try:
+        yield
+    finally:
+        _steering.undo = outer
+        for config, name, value in reversed(undo):
+            setattr(config, name, value)
 
 
-def _steer_inductor(patches: contextlib.ExitStack) -> None:
-    """Until ``patches`` closes, if inductor is loaded: no buffer reuse or in-place computation,
-    and ``place_ops`` after the post-grad passes (and after any such pass already set)."""
+def _steer_inductor(undo: list) -> None:
+    """If inductor compiles: no buffer reuse or in-place computation (see the module's
+    docstring), and ``place_ops`` after the post-grad passes (and after any such pass already
+    set); what is changed is noted in ``undo``."""
     config = sys.modules.get("torch._inductor.config")
     if config is None:
         return
-    if config.allow_buffer_reuse or config.inplace_buffers:
-        patches.enter_context(config.patch(allow_buffer_reuse=False, inplace_buffers=False))
+    values = {"allow_buffer_reuse": False, "inplace_buffers": False}
     placement = _placement_pass()
     if not isinstance(config.post_grad_custom_post_pass, placement):
-        patches.enter_context(config.patch(post_grad_custom_post_pass=placement(config.post_grad_custom_post_pass)))
+        values["post_grad_custom_post_pass"] = placement(config.post_grad_custom_post_pass)
+    _assign(config, values, undo)
+
+
+def _assign(config, values: dict, undo: list) -> None:
+    for name, value in values.items():
+        before = getattr(config, name)
+        if before is not value:
+            undo.append((config, name, before))
+            setattr(config, name, value)
 
 
 def place_ops(graph: torch.fx.Graph) -> None:
@@ -325,10 +345,17 @@ def _placement_pass() -> type:
 # -- run time ----------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("bitsparse::store", mutates_args=())
+# The two ops of every stored tensor are defined with the dispatcher's own registration: a
+# ``torch.library.custom_op`` wraps its function in Python layers (autograd, alias checks) that
+# cost several microseconds of host time per call, twice per stored tensor and step.
+_library = torch.library.Library("bitsparse", "FRAGMENT")
+_library.define("store(Tensor x, int hooks, str site) -> Tensor")
+_library.define("restore_into(Tensor key, Tensor(a!) out) -> ()")
+
+
 def store(x: torch.Tensor, hooks: int, site: str) -> torch.Tensor:
-    """Store ``x``, a tensor a compiled forward saves, with the options of the hook pair
-    numbered ``hooks``; returns the key of its handle."""
+    """``bitsparse::store``: store ``x``, a tensor a compiled forward saves, with the options
+    of the hook pair numbered ``hooks``; returns the key of its handle."""
     session, options = _installed[hooks]
     handle = session.store_compiled(options, x, site)
     number = next(_keys)
@@ -338,20 +365,23 @@ def store(x: torch.Tensor, hooks: int, site: str) -> torch.Tensor:
     return key
 
 
-@store.register_fake
-def _(x, hooks, site):
-    return torch.empty(1, dtype=torch.int64)
-
-
-@torch.library.custom_op("bitsparse::restore_into", mutates_args=("out",))
 def restore_into(key: torch.Tensor, out: torch.Tensor) -> None:
-    """Write the tensor whose handle ``key`` names, bit for bit, into ``out`` (of its shape,
-    strides and dtype)."""
+    """``bitsparse::restore_into``: write the tensor whose handle ``key`` names, bit for bit,
+    into ``out`` (of its shape, strides and dtype)."""
     session, handle = _handles[int(key)]
     session.restore_compiled(handle, out)
 
 
-@restore_into.register_fake
+_library.impl("store", store, "CompositeExplicitAutograd")
+_library.impl("restore_into", restore_into, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("bitsparse::store", lib=_library)
+def _(x, hooks, site):
+    return torch.empty(1, dtype=torch.int64)
+
+
+@torch.library.register_fake("bitsparse::restore_into", lib=_library)
 def _(key, out):
     return None
 

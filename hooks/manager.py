@@ -146,6 +146,8 @@ class Session:
             if found is None:
                 found = slot = self._store(options, t, site)
                 slot.slots += 1  # it restores t itself, whatever t's strides
+                if t.is_contiguous():  # a later save of its storage (or a view of it) finds it
+                    self._stored.add(t, slot)
             else:
                 slot = self._slot(found, t)
             self._note_source(t, found)
@@ -270,8 +272,6 @@ class Session:
         stats.dense_bytes += site.dense_bytes
         collector.numel += site.numel
         arena.submit(slot, _confirmation(weakref.ref(handle), self, collector, site, arena))
-        if t.is_contiguous():
-            self._stored.add(t, handle)
         return handle
 
     def _kept_dense(self, t: torch.Tensor, site: Site, reason: str) -> StoredTensor:
@@ -282,10 +282,7 @@ class Session:
         collector.stats.stored_bytes += site.dense_bytes
         if reason == "arena_full":
             self._warn_if_stale()
-        handle = StoredTensor(t, site)
-        if t.is_contiguous():
-            self._stored.add(t, handle)
-        return handle
+        return StoredTensor(t, site)
 
     def _warn_if_stale(self) -> None:
         if self._stale_arenas and not self._warned_stale:

@@ -263,13 +263,18 @@ def test_cuda_graphs_are_refused_with_the_alternative():
 
 def test_graphs_compiled_under_bitsparse_keep_freed_buffers():
     """A handle keeps a stored tensor's memory until its fit is confirmed: compiled code must
-    not reuse or overwrite buffers, while BitSparse's hooks are installed, and only then."""
+    not reuse or overwrite buffers when compiled under BitSparse's hooks, and only then."""
     import torch._inductor.config as config
+    from torch._inductor.utils import run_and_get_code
 
-    assert config.allow_buffer_reuse and config.inplace_buffers
+    settings = (config.allow_buffer_reuse, config.inplace_buffers, config.post_grad_custom_post_pass)
+    compiled = torch.compile(mlp())
+    _, plain = run_and_get_code(lambda: compiled(mlp_input()))
+    torch._dynamo.reset()
     with bitsparse.compressing(**OPTIONS):
-        assert not config.allow_buffer_reuse and not config.inplace_buffers
-    assert config.allow_buffer_reuse and config.inplace_buffers
+        _, steered = run_and_get_code(lambda: compiled(mlp_input()))
+    assert "# reuse" in plain[0] and "# reuse" not in steered[0]
+    assert (config.allow_buffer_reuse, config.inplace_buffers, config.post_grad_custom_post_pass) == settings
 
 
 _COMPILE_INSIDE = """
