@@ -11,19 +11,19 @@ its unpack a ``bitsparse::restore_into`` op, and every other saved tensor passes
 untouched, with no Python at run time. Eager autograd calls the same two objects as plain
 hooks, which go straight to the eager path (``Session.pack``/``unpack``).
 
-The ops are Python custom ops: ``store`` hands the tensor to the session, which compresses it
-into the device's arena exactly as in eager mode (measured when there is no room, confirmed
-asynchronously, leases, statistics) and returns a *key*, a one-element CPU tensor naming the
-handle; ``restore_into`` decodes the handle the key names into a buffer the backward graph
-allocated. The compiled graph saves only the key, so the handle lives exactly as long as the
-graph's saved tensors do. As in eager mode, a handle keeps the tensor's memory until the arena
-confirms that its values fit (and for good where they do not); compiled code would write over
-a buffer once past its last use (inductor reuses buffers and computes in place), so while
-BitSparse's hooks are installed, graphs are compiled without that (``allow_buffer_reuse`` and
-``inplace_buffers`` off): a freed buffer goes back to the caching allocator, which does not
-hand out memory a handle still holds.
+The ops are Python functions registered with the dispatcher: ``store`` hands the tensor to the
+session, which compresses it into the device's arena exactly as in eager mode (measured when
+there is no room, confirmed asynchronously, leases, statistics) and returns a *key*, a
+one-element CPU tensor naming the handle; ``restore_into`` decodes the handle the key names
+into a buffer the backward graph allocated. The compiled graph saves only the key, so the
+handle lives exactly as long as the graph's saved tensors do. As in eager mode, a handle keeps
+the tensor's memory until the arena confirms that its values fit (and for good where they do
+not); compiled code would write over a buffer once past its last use (inductor reuses buffers
+and computes in place), so graphs compiled under BitSparse's hooks are compiled without that
+(``allow_buffer_reuse`` and ``inplace_buffers`` off): a freed buffer goes back to the caching
+allocator, which does not hand out memory a handle still holds.
 
-Three passes steer the compiler:
+Two passes and a setting steer the compiler:
 
 - The partitioner decides what a compiled forward saves; left alone, for ``fc2(relu(fc1(x))
   ** 2)`` it saves the dense pre-activation and the square and recomputes the ReLU. ``steer``
@@ -228,7 +228,7 @@ def steering():
     The block restores everything it set when it ends.
 
     Settings are assigned, not patched with ``config.patch``, which builds a class per patch:
-    four patches per block cost about 0.2 ms of host time per training step."""
+    entering and leaving a block took 182 us on the CI's CPU with four patches, 22 us so."""
     import torch._functorch.config as functorch_config
 
     undo: list = []
@@ -292,7 +292,10 @@ def _is_restore(node: torch.fx.Node) -> bool:
     """Whether ``node`` is a functionalized ``restore_into`` (as inductor's post-grad graphs
     hold mutating ops)."""
     higher_order = torch.ops.higher_order
-    functionalized = (getattr(higher_order, "auto_functionalized", None), getattr(higher_order, "auto_functionalized_v2", None))
+    functionalized = (
+        getattr(higher_order, "auto_functionalized", None),
+        getattr(higher_order, "auto_functionalized_v2", None),
+    )
     return node.target in functionalized and node.args[0] is torch.ops.bitsparse.restore_into.default
 
 
