@@ -168,9 +168,11 @@ class Arena:
         self.values = self._buffer = self._planned = None
         self._fixed_views: dict[tuple[int, int], torch.Tensor] = {}
         self._fixed_start = 0
+        self._fixed_capacity = 0  # read by every reservation: an int, not a property
         if fixed_words == 0:
             return
         self._buffer = torch.empty(value_words + 1 + fixed_words, dtype=torch.int32, device=self.device)
+        self._fixed_capacity = fixed_words
         self.values = ValueBuffer.over(self._buffer[: value_words + 1], self._counters)
         self._fixed_start = value_words + 1
 
@@ -189,7 +191,7 @@ class Arena:
 
     @property
     def fixed_capacity_words(self) -> int:
-        return 0 if self._buffer is None else self._buffer.numel() - self._fixed_start
+        return self._fixed_capacity
 
     @property
     def reserved_bytes(self) -> int:
@@ -203,7 +205,7 @@ class Arena:
             self._allocate(*self._planned)
         self._fixed_demand += words
         start = self._fixed_start + self._fixed_used
-        if self._fixed_used + words > self.fixed_capacity_words:
+        if self._fixed_used + words > self._fixed_capacity:
             return None
         self._fixed_used += words
         view = self._fixed_views.get((start, words))

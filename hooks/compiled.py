@@ -88,6 +88,7 @@ def hooks_for(session, options: Options, excluded: frozenset) -> tuple:
         number = next(_numbers)
         _installed[number] = (session, options)
         pack = _Hook(functools.partial(session.pack, options), lambda t: _trace_pack(t, number, options, excluded))
+        pack.screen_with(session.pack_hook(options, pack.route))
         pack.selection = (options, excluded)
         pair = _hook_pairs[key] = (pack, _Hook(session.unpack, _trace_unpack))
     return pair
@@ -107,22 +108,34 @@ class _Hook(torch.fx.GraphModule):
         super().__init__(torch.nn.Module(), graph)
         self._eager, self._traced = eager, traced
         # GraphModule gives each instance a class of its own, whose __call__ goes through
-        # nn.Module: a pack hook runs for every saved tensor, so it goes straight here.
-        type(self).__call__ = _Hook._call
+        # nn.Module: a hook runs for every saved tensor, so it goes straight here.
+        type(self).__call__ = _Hook.route
 
-    def _call(self, x):
+    def route(self, x):
+        """Run ``traced`` or ``eager`` on ``x``, whichever applies."""
         # Eager autograd hands over real tensors, which tracing never does: most calls end here.
         if x.__class__ is torch.Tensor or _hook_context() is None:
             return self._eager(x)
         return self._traced(x)
 
+    def screen_with(self, screen) -> None:
+        """Be ``screen`` when called: a function that takes what eager autograd hands a pack
+        hook, handles the plain tensors it can at once, and returns ``self.route(x)`` for the
+        rest (saving a Python call per saved tensor)."""
+        type(self).__call__ = staticmethod(screen)
+        _skipped_by_dynamo(screen.__code__)
 
-# Autograd may call a hook while Dynamo's frame callback is active (an eager op inside a frame
-# Dynamo runs without compiling it, such as a compiled LayerNorm module's), and Dynamo would then
-# compile the hook and the session's code behind it, with guards on the session's counters that
-# fail at every step. Dynamo skips this frame and every frame it calls, at no cost to a hook
-# called without the callback (unlike torch.compiler.disable's wrapper).
-set_code_exec_strategy(_Hook._call.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+
+def _skipped_by_dynamo(code) -> None:
+    """Autograd may call a hook while Dynamo's frame callback is active (an eager op inside a
+    frame Dynamo runs without compiling it, such as a compiled LayerNorm module's), and Dynamo
+    would then compile the hook and the session's code behind it, with guards on the session's
+    counters that fail at every step. Dynamo skips ``code``'s frames and every frame they call,
+    at no cost to a hook called without the callback (unlike torch.compiler.disable's wrapper)."""
+    set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+
+
+_skipped_by_dynamo(_Hook.route.__code__)
 
 
 # -- compile time ------------------------------------------------------------------------------
@@ -363,7 +376,7 @@ def store(x: torch.Tensor, hooks: int, site: str) -> torch.Tensor:
     handle = session.store_compiled(options, x, site)
     number = next(_keys)
     _handles[number] = (session, handle)
-    key = torch.tensor([number])
+    key = torch.full((1,), number, dtype=torch.int64)  # torch.tensor([number]) takes twice the host time
     weakref.finalize(key, _handles.pop, number, None)
     return key
 

@@ -25,7 +25,15 @@ from bitsparse.format import SUPPORTED_DTYPES, TileGeometry
 from bitsparse.hooks.exactness import ExactnessChecks
 from bitsparse.hooks.handles import Handle, Recomputed, Site, SquareOf, StoredTensor, ViewOf, check_version
 from bitsparse.hooks.options import Options
-from bitsparse.hooks.provenance import UNRELATED_NODES, Marks, Provenance, classify_node, node_key, squared_input
+from bitsparse.hooks.provenance import (
+    RELU_NODES,
+    UNRELATED_NODES,
+    Marks,
+    Provenance,
+    classify_node,
+    node_key,
+    squared_input,
+)
 from bitsparse.hooks.spans import SpanIndex
 from bitsparse.hooks.stats import Stats, StepCollector
 
@@ -73,11 +81,43 @@ class Session:
 
     # -- hooks ------------------------------------------------------------------------------
 
+    def pack_hook(self, options: Options, other):
+        """The pack hook of ``options``: ``hook(t)`` returns what autograd saves for ``t``,
+        ``other(t)`` for a tensor of another class than ``torch.Tensor`` or a view.
+
+        It runs for every saved tensor (about 400 per GPT forward, between the model's ops,
+        where the host often bounds the step), and most are kept as they are. So it first
+        screens plain tensors that are not views for the two commonest reasons, small or made
+        by an op the rule never selects, with the options' values bound here, without the lock
+        (its counters are only this step's statistics), and hands every other tensor to
+        ``other`` (which calls ``pack`` for eager tensors).
+        """
+        min_numel = options.min_numel
+        unrelated = UNRELATED_NODES if options.select == "relu" else frozenset()
+        marks, plain = self.marks, torch.Tensor
+
+        def hook(t: torch.Tensor):
+            if t.__class__ is plain and t._base is None:
+                node = t.grad_fn
+                numel = t.numel()
+                small = numel < min_numel or not numel
+                if small or (node.__class__ in unrelated and not marks.any):
+                    if self._backward_seen or (not self._live and self._collector.leased):
+                        self.begin_step()
+                    if small:
+                        self._collector.kept_small += 1
+                    else:
+                        self._collector.kept_unrelated += 1
+                    # Detached for the reason given in pack.
+                    return (t if node is None else t.detach()), t._version
+            return other(t)
+
+        return hook
+
     def pack(self, options: Options, t: torch.Tensor):
-        # Runs for every saved tensor (about 400 per GPT forward, between the model's ops, where
-        # the host often bounds the step), and most are kept as they are: that is decided first,
-        # with as little work as possible and without the lock (the counters it adds to are
-        # only this step's statistics; a step begins after a backward, see _step_over).
+        """What autograd saves for ``t``: ``t`` itself (with its version) when it is kept as
+        it is, else a handle that restores it (see ``hooks.handles``)."""
+        # Decided with as little work as possible and without the lock, as in pack_hook.
         if self._backward_seen or (not self._live and self._collector.leased):
             self.begin_step()
         base = t._base
@@ -90,7 +130,10 @@ class Session:
         elif node is None and base.requires_grad:  # a parameter, or a view of one (weight.t())
             reason = "parameter"
         else:
-            provenance = None if node.__class__ in UNRELATED_NODES else classify_node(node)
+            cls = node.__class__
+            provenance = (
+                Provenance.RELU if cls in RELU_NODES else None if cls in UNRELATED_NODES else classify_node(node)
+            )
             if provenance is not Provenance.RELU and self.marks.any and self.marks.covers(t):
                 provenance = Provenance.RELU
             if provenance is None and options.select == "relu":
@@ -139,7 +182,7 @@ class Session:
             found = self._stored.find(t)
             if found is not None:
                 stats.tensors_deduplicated += 1
-            elif options.recompute_squares:
+            elif options.recompute_squares and node.__class__ not in RELU_NODES:
                 found = self._recompute(t)
                 if found is not None:
                     stats.tensors_recomputed += 1

@@ -169,6 +169,8 @@ class _Autograd:
             rule = cls._rules[node.__class__] = OP_RULES.get(_AUTOGRAD_OPS.get(type(node).__name__), OTHER)
             if rule == OTHER:
                 UNRELATED_NODES.add(node.__class__)
+            elif rule == RELU:
+                RELU_NODES.add(node.__class__)
         return rule if rule.__class__ is int else rule(node, cls)
 
     @staticmethod
@@ -189,6 +191,9 @@ UNRELATED_NODES: set[type] = set()
 """The autograd node classes seen so far whose outputs the rule never selects, whatever
 their inputs (most saved tensors come from such ops): a pack that finds its tensor's node
 class here knows ``classify_node`` would return None, at the cost of a set lookup."""
+RELU_NODES: set[type] = set()
+"""Likewise, the autograd node classes seen so far whose outputs the rule always selects
+(``ReluBackward0``): ``classify_node`` would return ``Provenance.RELU``, and they are no squares."""
 
 
 def classify_node(node) -> Provenance | None:

@@ -89,6 +89,9 @@ class StepCollector:
     def __init__(self, step: int):
         self.stats = Stats(step=step)
         self.skipped: Counter = Counter()
+        self.kept_small = self.kept_unrelated = 0
+        """Skipped as ``small`` and ``not_relu_family`` by the pack hook's first screen, which
+        adds to plain ints (cheaper than the Counter); ``finish`` adds them in."""
         self.fallbacks: Counter = Counter()
         self.numel = 0
         self.nonzeros: dict[torch.device, torch.Tensor] = {}
@@ -123,8 +126,11 @@ class StepCollector:
         for arena in self.arenas:
             arena.drain()
         s = copy.copy(self.stats)
-        s.tensors_skipped, s.fallbacks = dict(self.skipped), dict(self.fallbacks)
-        s.tensors_seen += sum(self.skipped.values())
+        skipped = Counter(self.skipped)
+        skipped.update({"small": self.kept_small, "not_relu_family": self.kept_unrelated})
+        s.tensors_skipped = {reason: n for reason, n in skipped.items() if n}
+        s.fallbacks = dict(self.fallbacks)
+        s.tensors_seen += sum(s.tensors_skipped.values())
         nonzeros = sum(int(n) for n in self.nonzeros.values())
         s.zero_fraction = 1 - nonzeros / self.numel if self.numel else 0.0
         usages = [arena.usage() for arena in self.arenas]

@@ -91,7 +91,7 @@ class _Compiled(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module):
         super().__init__()
-        self.eager, self.compiled, self.on = module, torch.compile(module), False
+        self.eager, self.compiled, self.on = module, torch.compile(module, dynamic=False), False
 
     def forward(self, *args):
         return (self.compiled if self.on else self.eager)(*args)
@@ -99,9 +99,10 @@ class _Compiled(torch.nn.Module):
 
 def compiled(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], scope: str) -> Callable[[], torch.Tensor]:
     """``loss_fn`` under ``torch.compile``: its whole forward (``scope="model"``), or each of
-    ``model.units()`` (``"block"``), which then run compiled only within the returned function."""
+    ``model.units()`` (``"block"``), which then run compiled only within the returned function.
+    Each size compiles its own graphs (``dynamic=False``), as a training run of one size does."""
     if scope == "model":
-        return torch.compile(loss_fn)
+        return torch.compile(loss_fn, dynamic=False)
     units = model.units()
     switches = [_Compiled(unit) for unit in units]
     for i, switch in enumerate(switches):
