@@ -88,8 +88,7 @@ def _compare(args: argparse.Namespace, device: torch.device) -> list[dict]:
     rank, processes = dist.get_rank(), dist.get_world_size()
     config = GPTConfig(layers=2, dim=64, heads=2, head_dim=32, hidden=256, vocab=512) if args.quick else GPTConfig()
     tokens = args.tokens or (64 if args.quick else DEFAULT_TOKENS)
-    # The quick model's tensors are small: compress them anyway.
-    options = {"min_numel": 1024} if args.quick else {}
+    options = training.bitsparse_options(args)
     rows = []
     for zeros in args.zeros:
         model, loss_fn = sharded_gpt(config, tokens, zeros, device)

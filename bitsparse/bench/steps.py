@@ -77,16 +77,17 @@ def build(model_name: str, length: int | None, batch: int | None, quick: bool):
     raise ValueError(f"unknown model {model_name!r}: choose one of {MODELS}")
 
 
-def step_peaks(model_name: str, mode: str, steps: int, length: int | None, batch: int | None, quick: bool) -> list[int]:
-    """Train ``steps`` steps in ``mode``; each step's peak of allocated bytes (0 off CUDA)."""
-    model, loss_fn = build(model_name, length, batch, quick)
+def step_peaks(model_name: str, mode: str, args: argparse.Namespace) -> list[int]:
+    """Train ``args.steps`` steps of ``model_name`` (of ``args.length``, ``args.batch``,
+    ``args.quick``) in ``mode``; each step's peak of allocated bytes (0 off CUDA)."""
+    model, loss_fn = build(model_name, args.length, args.batch, args.quick)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    options = {"min_numel": 1024} if quick else {}
+    options = training.bitsparse_options(args)
     if mode == "checkpoint":
         model.set_checkpointing(True)
     cuda = torch.cuda.is_available()
     peaks = []
-    for _ in range(steps):
+    for _ in range(args.steps):
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -124,9 +125,9 @@ def run(args: argparse.Namespace) -> list[dict]:
 def peaks_in_fresh_process(model_name: str, mode: str, args: argparse.Namespace) -> list[int]:
     """``step_peaks`` of ``model_name`` in ``mode``, run in a new Python process (so nothing
     an earlier mode allocated or cached counts), with ``args.steps``, ``length``, ``batch``
-    and ``quick``."""
+    ``quick`` and ``window``."""
     command = [sys.executable, "-m", "bitsparse.bench", "steps", "--child", mode, "--models", model_name]
-    command += ["--steps", str(args.steps)] + (["--quick"] if args.quick else [])
+    command += ["--steps", str(args.steps), "--window", str(args.window)] + (["--quick"] if args.quick else [])
     command += ["--length", str(args.length)] if getattr(args, "length", None) else []
     command += ["--batch", str(args.batch)] if args.batch else []
     result = subprocess.run(command, capture_output=True, text=True, check=True)
@@ -136,7 +137,7 @@ def peaks_in_fresh_process(model_name: str, mode: str, args: argparse.Namespace)
 def child(args: argparse.Namespace) -> None:
     """One model in one mode: print its step peaks as JSON on the last line."""
     (model_name,) = args.models
-    print(json.dumps(step_peaks(model_name, args.child, args.steps, args.length, args.batch, args.quick)))
+    print(json.dumps(step_peaks(model_name, args.child, args)))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,3 +148,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny models that run on the CPU")
     parser.add_argument("--out", default=".", help="folder for steps.csv")
     parser.add_argument("--child", choices=CHILD_MODES, help=argparse.SUPPRESS)
+    training.add_window_argument(parser)

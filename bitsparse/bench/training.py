@@ -15,6 +15,7 @@ the step's (CUDA events around forward and backward) and the host's time to run 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
 import os
@@ -58,6 +59,16 @@ def deterministic_kernels():
             del os.environ["CUBLAS_WORKSPACE_CONFIG"]
         else:
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
+
+
+def bitsparse_options(args: argparse.Namespace) -> dict:
+    """The options of the BitSparse modes: ``--window``, and for ``--quick`` models (whose
+    tensors are small) ``min_numel=1024``, so that they are compressed anyway."""
+    return {"window": args.window, **({"min_numel": 1024} if args.quick else {})}
+
+
+def add_window_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--window", type=int, default=1, help="BitSparse's window option, for its modes")
 
 
 def mode_context(mode: str, **bitsparse_options):
@@ -312,11 +323,10 @@ def run_suite(args, name: str, size_key: str, sizes, build, title: str) -> list[
             if zeros is not None:
                 shift_to_sparsity(model, loss_fn, zeros)
             static = torch.cuda.memory_allocated() if cuda else 0
-            # The quick models' tensors are small: compress them anyway.
-            options = {"min_numel": 1024} if args.quick else {}
             results = compare_modes(
-                model, loss_fn, tokens, args.modes, args.repeats, args.warmup, options, args.compile_scope
-            )
+                model, loss_fn, tokens, args.modes, args.repeats, args.warmup, bitsparse_options(args),
+                args.compile_scope,
+            )  # fmt: skip
             label = "init" if zeros is None else f"{round(100 * zeros)}%"
             print_table(f"{name} {size_key}={size}, MLP zeros {label}", results)
             size_rows = as_rows(results, suite=name, **{size_key: size}, zeros=label)
@@ -345,6 +355,7 @@ def add_common_arguments(parser, zeros_default) -> None:
     parser.add_argument("--repeats", type=int, default=10, help="interleaved timing rounds")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     parser.add_argument("--budget-gib", type=float, help="also report the largest size that fits")
+    add_window_argument(parser)
     parser.add_argument("--quick", action="store_true", help="a tiny version that runs on the CPU")
     parser.add_argument("--out", default=".", help="folder for the CSV and PNG")
 

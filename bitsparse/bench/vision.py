@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     peaks = {mode: steps.peaks_in_fresh_process("resnet50", mode, args)[-1] for mode in args.modes}
     model, loss_fn = steps.build("resnet50", None, args.batch, args.quick)
     batch = args.batch or (2 if args.quick else steps.DEFAULT_BATCH["resnet50"])
-    options = {"min_numel": 1024} if args.quick else {}
+    options = training.bitsparse_options(args)
     results = training.compare_modes(model, loss_fn, batch, args.modes, args.repeats, args.warmup, options)
     dense_peak = peaks.get("dense")
     print(f"ResNet-50, batch {batch}: steady peak in a fresh process; step time, interleaved medians")
@@ -52,3 +52,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=10, help="interleaved timing rounds")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     parser.add_argument("--quick", action="store_true", help="64x64 images, batch 2: runs on the CPU")
+    training.add_window_argument(parser)
