@@ -10,12 +10,11 @@ arena is reused as soon as the step's graph is freed.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import torch
 
-from bitsparse.hooks.compiled import hooks_for, steering
+from bitsparse.hooks.compiled import hooks_for, steer_compiles, stop_steering
 from bitsparse.hooks.manager import Session
 from bitsparse.hooks.options import DEFAULT_MIN_NUMEL, Options
 from bitsparse.hooks.stats import Stats
@@ -94,13 +93,13 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
             recompute_squares=recompute_squares,
         )
         super().__init__(*hooks_for(_session, self.options, _session.excluded_sites()))
-        self._steering = contextlib.ExitStack()
+        self._steering: tuple | None = None
 
     def __enter__(self) -> "compressing":
         _session.begin_step()
         # The step just begun may have learned save sites that compiled graphs now leave out.
         self.pack_hook, self.unpack_hook = hooks_for(_session, self.options, _session.excluded_sites())
-        self._steering.enter_context(steering())
+        self._steering = steer_compiles()
         super().__enter__()
         _local.depth = _depth() + 1
         return self
@@ -108,7 +107,8 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
     def __exit__(self, *exc) -> None:
         _local.depth -= 1
         super().__exit__(*exc)
-        self._steering.close()
+        stop_steering(self._steering)
+        self._steering = None
         _session.poll()
 
 

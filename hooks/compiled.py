@@ -19,9 +19,9 @@ into a buffer the backward graph allocated. The compiled graph saves only the ke
 handle lives exactly as long as the graph's saved tensors do. As in eager mode, a handle keeps
 the tensor's memory until the arena confirms that its values fit (and for good where they do
 not); compiled code would write over a buffer once past its last use (inductor reuses buffers
-and computes in place), so graphs compiled under BitSparse's hooks are compiled without that
-(``allow_buffer_reuse`` and ``inplace_buffers`` off): a freed buffer goes back to the caching
-allocator, which does not hand out memory a handle still holds.
+and computes in place), so ``store``'s lowering marks the buffer it stores as never reused
+(inductor's ``never_reuse_buffers``): that buffer goes back to the caching allocator, which
+does not hand out memory a handle still holds, and every other buffer is reused as usual.
 
 Two passes and a setting steer the compiler:
 
@@ -38,11 +38,13 @@ Two passes and a setting steer the compiler:
   restore to right before its first use.
 - The backward is compiled together with the forward (``force_non_lazy_backward_lowering``),
   while the passes are installed, rather than at its first run, outside ``compressing()``.
+
+``steer_compiles`` sets them for each compile that begins under BitSparse's hooks, and only
+for it (``torch._dynamo.callback``'s compile callbacks).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import operator
@@ -198,11 +200,10 @@ def steer(graph_module: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
     """Make the partitioner save each ReLU-family tensor the installed hooks compress, and
     recompute its squares from it (see the module's docstring); set inductor up to compile
     the graph (``_steer_inductor``)."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    if hooks is None or getattr(hooks[0], "selection", None) is None:
+    if not _hooks_are_innermost():
         return graph_module
-    options, excluded = hooks[0].selection
-    _lower_mark_to_its_input()
+    options, excluded = torch._C._autograd._top_saved_tensors_default_hooks(True)[0].selection
+    _register_lowerings()
     undo = getattr(_steering, "undo", None)
     if undo is not None:
         _steer_inductor(undo)
@@ -228,51 +229,89 @@ class _JointPass:
 
 
 _steering = threading.local()
-"""The innermost ``steering`` block of the thread: the configuration it changed, as
-``(config, name, value before)``, to restore at its end."""
+"""What the compile or block that steers compiles in the thread changed in the compilers'
+configuration, as ``(config, name, value before)``, to restore at its end."""
 
 
-@contextlib.contextmanager
-def steering():
-    """For the block: ``steer`` as the joint-graph pass (after any pass already there), and
-    the backward compiled with the forward, under the block, rather than at its first run,
-    outside it. A graph compiled under BitSparse's hooks (compiled code guards on them, so a
-    compile happens inside a block) also gets ``_steer_inductor``'s settings, from ``steer``.
-    The block restores everything it set when it ends.
+def steer_compiles() -> tuple | None:
+    """Steer each compile that begins while BitSparse's hooks are the innermost pair (compiled
+    code guards on them, so its compiles happen then): ``steer`` as the joint-graph pass
+    (after any pass already there), and the backward compiled with the forward, under the
+    hooks, rather than at its first run, outside them. ``steer`` adds ``_steer_inductor``'s
+    settings when inductor compiles. Everything set is restored when the compile ends.
 
-    Settings are assigned, not patched with ``config.patch``, which builds a class per patch:
-    entering and leaving a block took 182 us on the CI's CPU with four patches, 22 us so."""
+    Dynamo's compile callbacks do this for each compile, which costs a block nothing (a block
+    that only runs compiled code does not touch the configuration, whose first reads after a
+    step took 70 us of host time on the CI's CPU): this returns None once they are registered.
+    Until then (Dynamo not loaded yet, or ``torch._dynamo.reset()``, which removes them), it
+    registers them if it can and the caller's block steers from now on: give what this
+    returns to ``stop_steering`` at its end."""
+    callbacks = sys.modules.get("torch._dynamo.callback")
+    if callbacks is not None:
+        handler = callbacks.callback_handler
+        if _compile_started in handler.start_callbacks:
+            return None
+        handler.register_start_callback(_compile_started)
+        handler.register_end_callback(_compile_ended)
+    return _begin_steering()
+
+
+def stop_steering(steering: tuple | None) -> None:
+    """End what ``steer_compiles`` began (``steering``, what it returned)."""
+    if steering is not None:
+        _steering.undo, undo = steering
+        _restore(undo)
+
+
+def _begin_steering() -> tuple:
+    """Steer compiles from now; returns what ``stop_steering`` takes to end it."""
+    undo: list = []
+    _steer_functorch(undo)
+    outer, _steering.undo = getattr(_steering, "undo", None), undo
+    return outer, undo
+
+
+def _steer_functorch(undo: list) -> None:
+    # Settings are assigned, not patched with ``config.patch``, which builds a class per patch.
     import torch._functorch.config as functorch_config
 
-    undo: list = []
     values = {}
     if not isinstance(functorch_config.joint_custom_pass, _JointPass):
         values["joint_custom_pass"] = _JointPass(functorch_config.joint_custom_pass)
     if hasattr(functorch_config, "force_non_lazy_backward_lowering"):  # place_ops sees the restores
         values["force_non_lazy_backward_lowering"] = True
     _assign(functorch_config, values, undo)
-    outer = getattr(_steering, "undo", None)
-    _steering.undo = undo
-    try:
-        yield
-    finally:
-        _steering.undo = outer
-        for config, name, value in reversed(undo):
-            setattr(config, name, value)
+
+
+def _restore(undo: list) -> None:
+    for config, name, value in reversed(undo):
+        setattr(config, name, value)
+
+
+def _hooks_are_innermost() -> bool:
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return hooks is not None and getattr(hooks[0], "selection", None) is not None
+
+
+def _compile_started(*_) -> None:
+    """Dynamo's start callback (for the outermost compile of the moment)."""
+    _steering.compile = _begin_steering() if _hooks_are_innermost() else None
+
+
+def _compile_ended(*_) -> None:
+    stop_steering(getattr(_steering, "compile", None))
+    _steering.compile = None
 
 
 def _steer_inductor(undo: list) -> None:
-    """If inductor compiles: no buffer reuse or in-place computation (see the module's
-    docstring), and ``place_ops`` after the post-grad passes (and after any such pass already
-    set); what is changed is noted in ``undo``."""
+    """If inductor compiles: ``place_ops`` after the post-grad passes (and after any such pass
+    already set); what is changed is noted in ``undo``."""
     config = sys.modules.get("torch._inductor.config")
     if config is None:
         return
-    values = {"allow_buffer_reuse": False, "inplace_buffers": False}
     placement = _placement_pass()
     if not isinstance(config.post_grad_custom_post_pass, placement):
-        values["post_grad_custom_post_pass"] = placement(config.post_grad_custom_post_pass)
-    _assign(config, values, undo)
+        _assign(config, {"post_grad_custom_post_pass": placement(config.post_grad_custom_post_pass)}, undo)
 
 
 def _assign(config, values: dict, undo: list) -> None:
@@ -365,7 +404,8 @@ def _placement_pass() -> type:
 # ``torch.library.custom_op`` wraps its function in Python layers (autograd, alias checks) that
 # cost several microseconds of host time per call, twice per stored tensor and step.
 _library = torch.library.Library("bitsparse", "FRAGMENT")
-_library.define("store(Tensor x, int hooks, str site) -> Tensor")
+# The stored tensor has the strides the traced graph gave it, which its restore's buffer gets.
+_library.define("store(Tensor x, int hooks, str site) -> Tensor", tags=(torch.Tag.needs_exact_strides,))
 _library.define("restore_into(Tensor key, Tensor(a!) out) -> ()")
 
 
@@ -418,8 +458,19 @@ mark.register_autograd(lambda ctx, grad: grad)
 
 
 @functools.cache
-def _lower_mark_to_its_input() -> None:
-    """Let inductor compile ``bitsparse::mark`` to nothing (its output is its input)."""
-    from torch._inductor.lowering import register_lowering
+def _register_lowerings() -> None:
+    """Let inductor compile ``bitsparse::mark`` to nothing (its output is its input), and
+    ``bitsparse::store`` to a call of the op that never reuses the buffer it stores (see the
+    module's docstring)."""
+    from torch._inductor.ir import ExternKernel
+    from torch._inductor.lowering import fallback_handler, register_lowering
+    from torch._inductor.virtualized import V
 
     register_lowering(torch.ops.bitsparse.mark.default)(lambda x: x)
+    call_store = fallback_handler(torch.ops.bitsparse.store.default, add_to_fallback_set=False)
+
+    @register_lowering(torch.ops.bitsparse.store.default, type_promotion_kind=None)
+    def _(x, hooks, site):
+        x = ExternKernel.realize_input(x)
+        V.graph.never_reuse_buffers.add(x.get_name())  # a view's name is its buffer's
+        return call_store(x, hooks, site)
