@@ -19,9 +19,11 @@ into a buffer the backward graph allocated. The compiled graph saves only the ke
 handle lives exactly as long as the graph's saved tensors do. As in eager mode, a handle keeps
 the tensor's memory until the arena confirms that its values fit (and for good where they do
 not); compiled code would write over a buffer once past its last use (inductor reuses buffers
-and computes in place), so ``store``'s lowering marks the buffer it stores as never reused
-(inductor's ``never_reuse_buffers``): that buffer goes back to the caching allocator, which
-does not hand out memory a handle still holds, and every other buffer is reused as usual.
+and computes in place), so graphs compiled under BitSparse's hooks are compiled without that
+(``allow_buffer_reuse`` and ``inplace_buffers`` off): a freed buffer goes back to the caching
+allocator, which does not hand out memory a handle still holds. (Inductor's
+``never_reuse_buffers``, the narrower route, also never frees a buffer before the graph ends:
+it held every stored tensor's dense copy to the end of the compiled GPT's forward.)
 
 Two passes and a setting steer the compiler:
 
@@ -178,6 +180,7 @@ def _trace_pack(t: torch.Tensor, number: int, options: Options, excluded: frozen
     node = _hook_context()["_node"]
     if not selected(node, options, excluded):
         return t
+    _steer_late()
     # The size and strides travel with the key: with dynamic shapes they are symbols of the
     # forward, which the backward receives as inputs.
     return (torch.ops.bitsparse.store(t, number, fx_site(node)), tuple(t.shape), tuple(t.stride()))
@@ -203,7 +206,7 @@ def steer(graph_module: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
     if not _hooks_are_innermost():
         return graph_module
     options, excluded = torch._C._autograd._top_saved_tensors_default_hooks(True)[0].selection
-    _register_lowerings()
+    _lower_mark_to_its_input()
     undo = getattr(_steering, "undo", None)
     if undo is not None:
         _steer_inductor(undo)
@@ -246,18 +249,43 @@ def steer_compiles() -> tuple | None:
     Until then (Dynamo not loaded yet, or ``torch._dynamo.reset()``, which removes them), it
     registers them if it can and the caller's block steers from now on: give what this
     returns to ``stop_steering`` at its end."""
-    callbacks = sys.modules.get("torch._dynamo.callback")
-    if callbacks is not None:
-        handler = callbacks.callback_handler
-        if _compile_started in handler.start_callbacks:
-            return None
-        handler.register_start_callback(_compile_started)
-        handler.register_end_callback(_compile_ended)
+    if _register_compile_callbacks():
+        return None
     return _begin_steering()
 
 
+def _register_compile_callbacks() -> bool:
+    """Register the compile callbacks if Dynamo is loaded; return whether they already were."""
+    callbacks = sys.modules.get("torch._dynamo.callback")
+    if callbacks is None:
+        return False
+    handler = callbacks.callback_handler
+    if _compile_started in handler.start_callbacks:
+        return True
+    handler.register_start_callback(_compile_started)
+    handler.register_end_callback(_compile_ended)
+    return False
+
+
+def _steer_late() -> None:
+    """Steer a compile that is tracing BitSparse's hooks unsteered, as after a
+    ``torch._dynamo.reset()`` inside a block (which removed the callbacks the block counted
+    on): the partitioner has chosen already, but inductor must still not reuse buffers. The
+    end callback, registered now, restores the settings when the compile ends (or, for a
+    compile without Dynamo, the next compile's start or the block's end)."""
+    if getattr(_steering, "undo", None) is None:
+        _register_compile_callbacks()
+        _steering.compile = _begin_steering()
+        _steer_inductor(_steering.undo)
+
+
 def stop_steering(steering: tuple | None) -> None:
-    """End what ``steer_compiles`` began (``steering``, what it returned)."""
+    """End what ``steer_compiles`` began (``steering``, what it returned) at a block's end."""
+    _compile_ended()  # what a compile outside Dynamo may have left (see _steer_late)
+    _end_steering(steering)
+
+
+def _end_steering(steering: tuple | None) -> None:
     if steering is not None:
         _steering.undo, undo = steering
         _restore(undo)
@@ -295,23 +323,28 @@ def _hooks_are_innermost() -> bool:
 
 def _compile_started(*_) -> None:
     """Dynamo's start callback (for the outermost compile of the moment)."""
+    _compile_ended()  # what a compile outside Dynamo may have left (see _steer_late)
     _steering.compile = _begin_steering() if _hooks_are_innermost() else None
 
 
 def _compile_ended(*_) -> None:
-    stop_steering(getattr(_steering, "compile", None))
+    """Dynamo's end callback."""
+    _end_steering(getattr(_steering, "compile", None))
     _steering.compile = None
 
 
 def _steer_inductor(undo: list) -> None:
-    """If inductor compiles: ``place_ops`` after the post-grad passes (and after any such pass
-    already set); what is changed is noted in ``undo``."""
+    """If inductor compiles: no buffer reuse or in-place computation (see the module's
+    docstring), and ``place_ops`` after the post-grad passes (and after any such pass already
+    set); what is changed is noted in ``undo``."""
     config = sys.modules.get("torch._inductor.config")
     if config is None:
         return
+    values = {"allow_buffer_reuse": False, "inplace_buffers": False}
     placement = _placement_pass()
     if not isinstance(config.post_grad_custom_post_pass, placement):
-        _assign(config, {"post_grad_custom_post_pass": placement(config.post_grad_custom_post_pass)}, undo)
+        values["post_grad_custom_post_pass"] = placement(config.post_grad_custom_post_pass)
+    _assign(config, values, undo)
 
 
 def _assign(config, values: dict, undo: list) -> None:
@@ -404,8 +437,7 @@ def _placement_pass() -> type:
 # ``torch.library.custom_op`` wraps its function in Python layers (autograd, alias checks) that
 # cost several microseconds of host time per call, twice per stored tensor and step.
 _library = torch.library.Library("bitsparse", "FRAGMENT")
-# The stored tensor has the strides the traced graph gave it, which its restore's buffer gets.
-_library.define("store(Tensor x, int hooks, str site) -> Tensor", tags=(torch.Tag.needs_exact_strides,))
+_library.define("store(Tensor x, int hooks, str site) -> Tensor")
 _library.define("restore_into(Tensor key, Tensor(a!) out) -> ()")
 
 
@@ -458,19 +490,8 @@ mark.register_autograd(lambda ctx, grad: grad)
 
 
 @functools.cache
-def _register_lowerings() -> None:
-    """Let inductor compile ``bitsparse::mark`` to nothing (its output is its input), and
-    ``bitsparse::store`` to a call of the op that never reuses the buffer it stores (see the
-    module's docstring)."""
-    from torch._inductor.ir import ExternKernel
-    from torch._inductor.lowering import fallback_handler, register_lowering
-    from torch._inductor.virtualized import V
+def _lower_mark_to_its_input() -> None:
+    """Let inductor compile ``bitsparse::mark`` to nothing (its output is its input)."""
+    from torch._inductor.lowering import register_lowering
 
     register_lowering(torch.ops.bitsparse.mark.default)(lambda x: x)
-    call_store = fallback_handler(torch.ops.bitsparse.store.default, add_to_fallback_set=False)
-
-    @register_lowering(torch.ops.bitsparse.store.default, type_promotion_kind=None)
-    def _(x, hooks, site):
-        x = ExternKernel.realize_input(x)
-        V.graph.never_reuse_buffers.add(x.get_name())  # a view's name is its buffer's
-        return call_store(x, hooks, site)

@@ -201,8 +201,8 @@ class Session:
     def store_compiled(self, options: Options, t: torch.Tensor, name: str) -> StoredTensor:
         """Store ``t``, which a compiled forward saves and selected at compile time (see
         ``hooks/compiled.py``) as the save site ``name``, as ``pack`` stores a tensor, with one
-        slot. The compiled code never reuses the buffer it stores (``store``'s lowering in
-        ``hooks/compiled.py``), so the handle may keep ``t``'s memory as eager handles do."""
+        slot. The compiled code does not write over the memory of a buffer it freed (see
+        ``hooks/compiled.py``), so the handle may keep ``t``'s as eager handles do."""
         with self._lock:
             if self._step_over():
                 self._begin_step()
