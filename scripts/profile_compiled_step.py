@@ -86,6 +86,7 @@ def main() -> None:
     kernels = {}
     for mode in MODES:
         step(mode, marked=True)  # the profiler's own first-use costs stay out of the profiled step
+        torch.cuda.synchronize()  # and the GPU is idle when the profiled step begins
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step(mode, marked=True)
             torch.cuda.synchronize()
