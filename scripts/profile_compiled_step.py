@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import bitsparse
-from bitsparse.bench.models import GPT, GPTConfig, shift_to_sparsity
+from bitsparse.bench.models import sparse_gpt_loss
 
 MODES = {"compiled dense": torch.enable_grad, "compiled bitsparse": bitsparse.compressing}
 MARK = "spin_kernel"
@@ -32,15 +32,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=12000)
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    config = GPTConfig()
-    model = GPT(config).cuda().to(torch.bfloat16)
-    tokens = torch.randint(config.vocab, (1, args.length), device="cuda")
-
-    def loss_fn():
-        return model(tokens, tokens)
-
-    shift_to_sparsity(model, loss_fn, 0.9)
+    loss_fn = sparse_gpt_loss(args.length)
     compiled = torch.compile(loss_fn, dynamic=False)
 
     def step(mode: str, marked: bool = False) -> tuple[float, float]:

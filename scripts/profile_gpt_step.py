@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import bitsparse
 from bitsparse.allocator import Arena
-from bitsparse.bench.models import GPT, GPTConfig, shift_to_sparsity
+from bitsparse.bench.models import sparse_gpt_loss
 from bitsparse.codecs import triton_codec
 from bitsparse.hooks import handles, manager
 
@@ -62,15 +62,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=12000)
     parser.add_argument("--repeats", type=int, default=8)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    config = GPTConfig()
-    model = GPT(config).cuda().to(torch.bfloat16)
-    tokens = torch.randint(config.vocab, (1, args.length), device="cuda")
-
-    def loss_fn():
-        return model(tokens, tokens)
-
-    shift_to_sparsity(model, loss_fn, 0.9)
+    loss_fn = sparse_gpt_loss(args.length)
 
     def step(variant: str) -> None:
         with VARIANTS[variant]():

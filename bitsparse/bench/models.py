@@ -189,3 +189,18 @@ def shift_to_sparsity(model: nn.Module, run_forward, zero_fraction: float, sampl
     finally:
         for hook in hooks:
             hook.remove()
+
+
+def sparse_gpt_loss(length: int, zero_fraction: float = 0.9, device: str = "cuda"):
+    """A function computing the loss of the benchmarks' 12-layer GPT (bf16, on ``device``, its
+    MLPs shifted to ``zero_fraction`` zeros) on ``length`` random tokens, seeded."""
+    torch.manual_seed(0)
+    config = GPTConfig()
+    model = GPT(config).to(device, torch.bfloat16)
+    tokens = torch.randint(config.vocab, (1, length), device=device)
+
+    def loss_fn() -> torch.Tensor:
+        return model(tokens, tokens)
+
+    shift_to_sparsity(model, loss_fn, zero_fraction)
+    return loss_fn
