@@ -203,9 +203,10 @@ def steer(graph_module: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
     """Make the partitioner save each ReLU-family tensor the installed hooks compress, and
     recompute its squares from it (see the module's docstring); set inductor up to compile
     the graph (``_steer_inductor``)."""
-    if not _hooks_are_innermost():
+    selection = _innermost_selection()
+    if selection is None:
         return graph_module
-    options, excluded = torch._C._autograd._top_saved_tensors_default_hooks(True)[0].selection
+    options, excluded = selection
     _lower_mark_to_its_input()
     undo = getattr(_steering, "undo", None)
     if undo is not None:
@@ -316,15 +317,16 @@ def _restore(undo: list) -> None:
         setattr(config, name, value)
 
 
-def _hooks_are_innermost() -> bool:
+def _innermost_selection() -> tuple[Options, frozenset] | None:
+    """The options and excluded sites of BitSparse's hooks if they are the innermost pair."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    return hooks is not None and getattr(hooks[0], "selection", None) is not None
+    return None if hooks is None else getattr(hooks[0], "selection", None)
 
 
 def _compile_started(*_) -> None:
     """Dynamo's start callback (for the outermost compile of the moment)."""
     _compile_ended()  # what a compile outside Dynamo may have left (see _steer_late)
-    _steering.compile = _begin_steering() if _hooks_are_innermost() else None
+    _steering.compile = _begin_steering() if _innermost_selection() is not None else None
 
 
 def _compile_ended(*_) -> None:
