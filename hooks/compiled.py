@@ -25,7 +25,7 @@ allocator, which does not hand out memory a handle still holds. (Inductor's
 ``never_reuse_buffers``, the narrower route, also never frees a buffer before the graph ends:
 it held every stored tensor's dense copy to the end of the compiled GPT's forward.)
 
-Two passes and a setting steer the compiler:
+Three passes and a setting steer the compiler:
 
 - The partitioner decides what a compiled forward saves; left alone, for ``fc2(relu(fc1(x))
   ** 2)`` it saves the dense pre-activation and the square and recomputes the ReLU. ``steer``
@@ -33,6 +33,10 @@ Two passes and a setting steer the compiler:
   ReLU-family node that would be compressed ``MUST_SAVE`` and the squares of it
   ``PREFER_RECOMPUTE``, the tags selective activation checkpointing gives the partitioner: the
   ReLU output is saved, and compressed, and its square is recomputed from it.
+- A ReLU output that the forward only squares besides saving it (``fc2(relu(fc1(x)) ** 2)``)
+  is stored by one op that reads the ReLU's input and writes the square
+  (``fuse_relu_squares``, a post-grad pass): the forward writes no ReLU output and reads no
+  tensor twice, as without BitSparse.
 - Inductor keeps the traced order of the ops: every store at the forward's end, where it would
   compute a ReLU it fused into its square again from the pre-activation, kept alive until
   then, and every restore at the backward's start, which would hold every decoded tensor from
@@ -58,6 +62,7 @@ import torch
 from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 from torch.utils.checkpoint import CheckpointPolicy
 
+from bitsparse.codecs import SQUARE_DTYPES
 from bitsparse.compressed import MAX_NUMEL
 from bitsparse.format import SUPPORTED_DTYPES
 from bitsparse.hooks.options import Options
@@ -337,15 +342,15 @@ def _compile_ended(*_) -> None:
 
 def _steer_inductor(undo: list) -> None:
     """If inductor compiles: no buffer reuse or in-place computation (see the module's
-    docstring), and ``place_ops`` after the post-grad passes (and after any such pass already
-    set); what is changed is noted in ``undo``."""
+    docstring), and ``fuse_relu_squares`` and ``place_ops`` after the post-grad passes (and
+    after any such pass already set); what is changed is noted in ``undo``."""
     config = sys.modules.get("torch._inductor.config")
     if config is None:
         return
     values = {"allow_buffer_reuse": False, "inplace_buffers": False}
-    placement = _placement_pass()
-    if not isinstance(config.post_grad_custom_post_pass, placement):
-        values["post_grad_custom_post_pass"] = placement(config.post_grad_custom_post_pass)
+    passes = _post_grad_passes()
+    if not isinstance(config.post_grad_custom_post_pass, passes):
+        values["post_grad_custom_post_pass"] = passes(config.post_grad_custom_post_pass)
     _assign(config, values, undo)
 
 
@@ -355,6 +360,81 @@ def _assign(config, values: dict, undo: list) -> None:
         if before is not value:
             undo.append((config, name, before))
             setattr(config, name, value)
+
+
+_RESHAPES = ("view", "reshape", "_unsafe_view")
+"""Ops whose output, for a contiguous input, holds the input's elements in the same order."""
+
+
+def fuse_relu_squares(graph: torch.fx.Graph) -> None:
+    """Replace each ``store`` of a ReLU output that the forward only squares (besides saving
+    it) by a ``store_relu_square`` of the ReLU's input, which stores the ReLU output and
+    writes the square in one pass (the codecs' ``relu_square``).
+
+    For ``proj(relu(fc(x)) ** 2)``, inductor computes the ReLU and its square in one kernel
+    that reads the pre-activation and writes both, and the store reads the ReLU output again:
+    beyond what the model itself needs, a tensor the size of the pre-activation is written and
+    read once more. Fused, the pre-activation is read once and the square written once, as
+    without BitSparse. The ReLU and the square are the ones inductor computes (``+0.0`` below zero,
+    other values' bits kept; the square in float32, rounded to nearest even), so the forward
+    and the gradients are those of the graph without BitSparse, bit for bit.
+
+    Only the plain form is fused: ``relu``, then reshapes, then the saved tensor, which has
+    no other user than its square and the store; every tensor contiguous, of one dtype whose
+    square the codecs write, and computed in float32 by inductor's generated code (its
+    default). Every other store is left as it is.
+    """
+    for store in list(graph.find_nodes(op="call_function", target=torch.ops.bitsparse.store.default)):
+        path = _relu_to_saved(store.args[0])
+        if path is None:
+            continue
+        saved = path[-1]
+        square = next(user for user in saved.users if user is not store)
+        with graph.inserting_before(square):
+            source = path[0].args[0]  # the ReLU's input, reshaped as the saved tensor was
+            for view in path[1:]:
+                source = graph.node_copy(view, lambda arg, old=view.args[0], new=source: new if arg is old else arg)
+            fused = graph.call_function(torch.ops.bitsparse.store_relu_square.default, (source, *store.args[1:]))
+            key = graph.call_function(operator.getitem, (fused, 0))
+            squared = graph.call_function(operator.getitem, (fused, 1))
+        fused.meta["val"] = (store.meta["val"], square.meta["val"])
+        key.meta["val"], squared.meta["val"] = store.meta["val"], square.meta["val"]
+        square.replace_all_uses_with(squared)
+        store.replace_all_uses_with(key)
+        for node in (square, store, *reversed(path)):
+            graph.erase_node(node)
+
+
+def _relu_to_saved(saved: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The nodes from a ``relu`` to ``saved`` (the ReLU, reshapes, ``saved``) if the ReLU's
+    output is only reshaped into ``saved``, and ``saved`` only stored and squared, in the
+    form ``fuse_relu_squares`` fuses; None otherwise."""
+    path = [saved]
+    while getattr(path[0].target, "_opname", None) in _RESHAPES and isinstance(path[0].args[0], torch.fx.Node):
+        path.insert(0, path[0].args[0])
+    relu = path[0]
+    if relu.target is not torch.ops.aten.relu.default or any(len(node.users) != 1 for node in path[:-1]):
+        return None
+    squares = [user for user in saved.users if user.target is not torch.ops.bitsparse.store.default]
+    if len(saved.users) != 2 or len(squares) != 1 or fx_kind(squares[0]) != SQUARE:
+        return None
+    square = squares[0]
+    values = [node.meta.get("val") for node in (relu.args[0], *path, square)]
+    if not all(isinstance(v, torch.Tensor) and v.dtype == values[0].dtype and v.is_contiguous() for v in values):
+        return None
+    if values[0].dtype not in SQUARE_DTYPES or values[-1].shape != saved.meta["val"].shape:
+        return None
+    return path if _squares_in_float32(values[0]) else None
+
+
+def _squares_in_float32(value: torch.Tensor) -> bool:
+    """Whether inductor's code for ``value``'s device computes a square of its dtype in
+    float32, rounded once, as the codecs do (on CUDA, unless configured otherwise)."""
+    if value.dtype == torch.float32 or value.device.type != "cuda":
+        return True
+    from torch._inductor import config
+
+    return getattr(config.triton, "codegen_upcast_to_fp32", False)
 
 
 def place_ops(graph: torch.fx.Graph) -> None:
@@ -407,12 +487,12 @@ def _move_before_first_use(graph: torch.fx.Graph, restore: torch.fx.Node, positi
 
 
 @functools.cache
-def _placement_pass() -> type:
-    """The class of inductor post-grad passes that run ``place_ops`` after the pass or passes
-    they were made with (what the configuration held before)."""
+def _post_grad_passes() -> type:
+    """The class of inductor post-grad passes that run ``fuse_relu_squares`` and ``place_ops``
+    after the pass or passes they were made with (what the configuration held before)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-    class PlaceOps(CustomGraphPass):
+    class BitSparsePasses(CustomGraphPass):
         def __init__(self, previous):
             if previous is None:
                 previous = ()
@@ -421,6 +501,7 @@ def _placement_pass() -> type:
         def __call__(self, graph: torch.fx.Graph) -> None:
             for run in self.previous:
                 run(graph)
+            fuse_relu_squares(graph)
             place_ops(graph)
 
         def uuid(self):
@@ -429,7 +510,7 @@ def _placement_pass() -> type:
             ids = tuple(p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.previous)
             return None if None in ids else (get_hash_for_files((__file__,)), *ids)
 
-    return PlaceOps
+    return BitSparsePasses
 
 
 # -- run time ----------------------------------------------------------------------------------
@@ -440,14 +521,27 @@ def _placement_pass() -> type:
 # cost several microseconds of host time per call, twice per stored tensor and step.
 _library = torch.library.Library("bitsparse", "FRAGMENT")
 _library.define("store(Tensor x, int hooks, str site) -> Tensor")
+_library.define("store_relu_square(Tensor x, int hooks, str site) -> (Tensor, Tensor)")
 _library.define("restore_into(Tensor key, Tensor(a!) out) -> ()")
 
 
 def store(x: torch.Tensor, hooks: int, site: str) -> torch.Tensor:
     """``bitsparse::store``: store ``x``, a tensor a compiled forward saves, with the options
     of the hook pair numbered ``hooks``; returns the key of its handle."""
+    return _stored(x, hooks, site)
+
+
+def store_relu_square(x: torch.Tensor, hooks: int, site: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bitsparse::store_relu_square``: store ``relu(x)``, which a compiled forward saves and
+    squares, as ``store`` does, and return its key and the square (see ``fuse_relu_squares``)."""
+    square = torch.empty_like(x)
+    return _stored(x, hooks, site, square), square
+
+
+def _stored(x: torch.Tensor, hooks: int, site: str, square: torch.Tensor | None = None) -> torch.Tensor:
+    """The key of the handle of ``x`` stored by the session of the hook pair numbered ``hooks``."""
     session, options = _installed[hooks]
-    handle = session.store_compiled(options, x, site)
+    handle = session.store_compiled(options, x, site, square)
     number = next(_keys)
     _handles[number] = (session, handle)
     key = torch.full((1,), number, dtype=torch.int64)  # torch.tensor([number]) takes twice the host time
@@ -463,12 +557,18 @@ def restore_into(key: torch.Tensor, out: torch.Tensor) -> None:
 
 
 _library.impl("store", store, "CompositeExplicitAutograd")
+_library.impl("store_relu_square", store_relu_square, "CompositeExplicitAutograd")
 _library.impl("restore_into", restore_into, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("bitsparse::store", lib=_library)
 def _(x, hooks, site):
     return torch.empty(1, dtype=torch.int64)
+
+
+@torch.library.register_fake("bitsparse::store_relu_square", lib=_library)
+def _(x, hooks, site):
+    return torch.empty(1, dtype=torch.int64), torch.empty_like(x)
 
 
 @torch.library.register_fake("bitsparse::restore_into", lib=_library)

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from bitsparse.codecs import Codec
+from bitsparse.codecs import SQUARE_DTYPES, Codec
 from bitsparse.compressed import compress, decompress_with
 from bitsparse.hooks.provenance import Square
-
-FUSED_SQUARE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-"""Dtypes whose square the codecs can write while decoding."""
 
 _FLOAT32_MANTISSAS = (0, 1, 2, 3, 0x3FFFFF, 0x400000, 0x400001, 0x7FFFFE, 0x7FFFFF)
 
@@ -48,7 +45,7 @@ class ExactnessChecks:
         key = ("fused_square", codec.name, dtype, device.type, square)
         result = self._results.get(key)
         if result is None:
-            result = dtype in FUSED_SQUARE_DTYPES and _same_bits(codec, probe(dtype, device), square)
+            result = dtype in SQUARE_DTYPES and _same_bits(codec, probe(dtype, device), square)
             self._results[key] = result
         return result
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from bitsparse.codecs import Codec
+from bitsparse.codecs import Codec, relu
 from bitsparse.compressed import ValueBuffer
 from bitsparse.format import TileGeometry, dtype_spec
 
@@ -98,15 +98,22 @@ class Site:
     strides. ``encode`` and ``decode`` are the codec prepared for the arena's value buffer
     ``values`` (``prepare``), and ``forget_buffer`` drops them when the arena changes its
     buffer, so that nothing here keeps an old one alive.
+
+    A site of ``relu_inputs`` (a compiled graph's, see ``hooks/compiled.py``) is given the
+    inputs of a ReLU: what it stores and restores is their ReLU, and storing one writes that
+    ReLU's square too (the codecs' ``relu_square``).
     """
 
     __slots__ = (
         "name", "shape", "stride", "dtype", "device", "order", "stored_shape", "numel", "dense_bytes", "spec",
-        "fixed_words", "codec", "sign_pack", "values", "encode", "decode",
+        "fixed_words", "codec", "sign_pack", "relu_inputs", "values", "encode", "decode",
     )  # fmt: skip
 
-    def __init__(self, name, t: torch.Tensor, codec: Codec, sign_pack: bool, geometry: TileGeometry):
+    def __init__(
+        self, name, t: torch.Tensor, codec: Codec, sign_pack: bool, geometry: TileGeometry, relu_inputs: bool = False
+    ):
         self.name = name
+        self.relu_inputs = relu_inputs
         self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
         self.order = memory_order(t)
         self.stored_shape = t.permute(self.order).shape if self.order else t.shape
@@ -122,7 +129,7 @@ class Site:
         self.values = values
         words, cursor, appends = values.words, values.cursor, values.appends
         self.encode = self.codec.encoder(
-            words, cursor, appends, self.spec, geometry, self.sign_pack, self.numel, True, report
+            words, cursor, appends, self.spec, geometry, self.sign_pack, self.numel, True, report, self.relu_inputs
         )
         self.decode = self.codec.decoder(words, self.spec, geometry, self.sign_pack, self.numel)
 
@@ -177,7 +184,8 @@ class StoredTensor(Handle):
         site = self.site
         if self.dense is not None:
             kept = torch.empty(0, dtype=site.dtype, device=site.device)
-            return kept.set_(self.dense, self.start, site.shape, site.stride)
+            kept.set_(self.dense, self.start, site.shape, site.stride)
+            return relu(kept) if site.relu_inputs else kept
         out = torch.empty_strided(site.shape, site.stride, dtype=site.dtype, device=site.device)
         self.decode(self.fixed, self.base, site.in_memory_order(out))
         return out

@@ -198,22 +198,30 @@ class Session:
             self._packed[id(t)] = weakref.ref(slot)
             return slot
 
-    def store_compiled(self, options: Options, t: torch.Tensor, name: str) -> StoredTensor:
+    def store_compiled(
+        self, options: Options, t: torch.Tensor, name: str, square: torch.Tensor | None = None
+    ) -> StoredTensor:
         """Store ``t``, which a compiled forward saves and selected at compile time (see
         ``hooks/compiled.py``) as the save site ``name``, as ``pack`` stores a tensor, with one
         slot. The compiled code does not write over the memory of a buffer it freed (see
-        ``hooks/compiled.py``), so the handle may keep ``t``'s as eager handles do."""
+        ``hooks/compiled.py``), so the handle may keep ``t``'s as eager handles do.
+
+        With ``square`` (a contiguous tensor like ``t``), ``t`` is the input of a ReLU whose
+        output the forward saves and squares: the handle restores that ReLU output, and
+        ``square`` receives its square, whether the tensor is compressed or kept dense (the
+        codecs' ``relu_square``)."""
         with self._lock:
             if self._step_over():
                 self._begin_step()
             collector = self._collector
-            site = self._site(options, t, name, options.sign_pack)
+            site = self._site(options, t, name, options.sign_pack, relu_inputs=square is not None)
             if site.name in self._unprofitable or site.order is None:
                 collector.skipped["unprofitable_site" if site.order is not None else "overlapping_or_gapped"] += 1
+                self._square_alone(site, t, square)
                 return StoredTensor(t, site)
             collector.stats.tensors_seen += 1
             self._poll()
-            handle = self._store(options, t, site)
+            handle = self._store(options, t, site, square)
             handle.slots = 1
             return handle
 
@@ -239,13 +247,14 @@ class Session:
 
     # -- decisions --------------------------------------------------------------------------
 
-    def _site(self, options: Options, t: torch.Tensor, producer, sign_pack: bool) -> Site:
+    def _site(self, options: Options, t: torch.Tensor, producer, sign_pack: bool, relu_inputs: bool = False) -> Site:
         """The save site of ``t``, whose producer is the autograd node ``producer`` (or the
-        name a compiled graph gives the site)."""
+        name a compiled graph gives the site, which may give it the inputs of a ReLU: see
+        ``Site``)."""
         base = t._base
         device = t.get_device()  # the device's index (-1: the CPU) costs less host time than the device
         if isinstance(producer, str):
-            key = (producer, t.shape, t.stride(), t.dtype, device, options.backend, sign_pack)
+            key = (producer, t.shape, t.stride(), t.dtype, device, options.backend, sign_pack, relu_inputs)
         else:
             # All views of one tensor share their site's name.
             base_shape = t.shape if base is None else base.shape
@@ -258,7 +267,7 @@ class Session:
                 producer if isinstance(producer, str) else (type(producer).__name__, tuple(key[1]), t.dtype, t.device)
             )
             codec = get_codec(options.backend, t.device)
-            site = self._sites[key] = Site(name, t, codec, sign_pack, self._geometry)
+            site = self._sites[key] = Site(name, t, codec, sign_pack, self._geometry, relu_inputs)
         return site
 
     # -- storing ----------------------------------------------------------------------------
@@ -283,10 +292,11 @@ class Session:
                     arena.resize(_capacity_bytes(device, options.capacity))
         return arena
 
-    def _store(self, options: Options, t: torch.Tensor, site: Site) -> StoredTensor:
-        """Compress ``t``, of ``site``, into the device's arena. Where the arena has no room,
-        ``t`` is kept dense and only measured, for the arena to grow for the next step; on
-        another stream than the step's, it is kept.
+    def _store(self, options: Options, t: torch.Tensor, site: Site, square: torch.Tensor | None = None) -> StoredTensor:
+        """Compress ``t``, of ``site``, into the device's arena (with ``square``, as
+        ``store_compiled`` says). Where the arena has no room, ``t`` is kept dense and only
+        measured, for the arena to grow for the next step; on another stream than the step's,
+        it is kept.
 
         The handle keeps ``t``'s storage while it may be needed: until the arena confirms the
         values fit, or for good where they do not. A stored tensor's handle holds a lease on
@@ -296,18 +306,23 @@ class Session:
         arena = self._arena(site.device, options)
         collector.arenas.add(arena)
         if not arena.on_append_stream():
+            self._square_alone(site, t, square)
             return self._kept_dense(t, site, "other_stream")
         x = site.in_memory_order(t)
+        if square is not None:
+            square = site.in_memory_order(square)
         fixed = arena.reserve_fixed(site.fixed_words)
         slot, report = arena.next_report(throttled=fixed is not None)
         if fixed is None:
-            site.codec.measure(x, arena.cursor, arena.appends, site.spec, self._geometry, site.sign_pack, report)
+            site.codec.measure(
+                x, arena.cursor, arena.appends, site.spec, self._geometry, site.sign_pack, report, square
+            )
             arena.submit(slot, _measured(collector, site, arena), throttled=False)
             return self._kept_dense(t, site, "arena_full")
         if site.values is not arena.values:
             site.prepare(arena.values, self._geometry, report is not None)
         base = arena.next_start()
-        site.encode(x, fixed, base, collector.nonzeros_counter(arena.device), report)
+        site.encode(x, fixed, base, collector.nonzeros_counter(arena.device), report, square)
         handle = StoredTensor(t, site, fixed, base, _Lease(self, arena))
         collector.leased = True
         stats = collector.stats
@@ -326,6 +341,15 @@ class Session:
         if reason == "arena_full":
             self._warn_if_stale()
         return StoredTensor(t, site)
+
+    def _square_alone(self, site: Site, t: torch.Tensor, square: torch.Tensor | None) -> None:
+        """Write ``square`` (if any) for ``t``, kept as it is, as storing it would have: the
+        codec measures ``t`` into counters of its own, which touches no arena."""
+        if square is not None:
+            counters = torch.zeros(3, dtype=torch.int64, device=t.device)
+            x, square = site.in_memory_order(t), site.in_memory_order(square)
+            spec, geometry = site.spec, self._geometry
+            site.codec.measure(x, counters[:1], counters[1:], spec, geometry, site.sign_pack, relu_square=square)
 
     def _warn_if_stale(self) -> None:
         if self._stale_arenas and not self._warned_stale:

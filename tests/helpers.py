@@ -417,6 +417,24 @@ def compress_with(
     return compress_into(x.contiguous(), codec, geometry, values, fixed, sign_pack, nonzeros, report, base)
 
 
+def compress_relu_of(x: torch.Tensor, backend: str | None = None, sign_pack: bool = False, square=None):
+    """The ReLU of ``x``, compressed by the codec's ``encode`` with ``relu_square`` into a
+    buffer of its own, and the square it wrote (into ``square`` if given)."""
+    geometry, spec, codec = TileGeometry(), dtype_spec(x.dtype), get_codec(backend, x.device)
+    values = ValueBuffer(geometry.max_stream_words(x.numel(), spec.bits), x.device)
+    fixed = torch.empty(geometry.fixed_nbytes(x.numel()) // 4, dtype=torch.int32, device=x.device)
+    base = torch.empty(1, dtype=torch.int64, device=x.device)
+    square = torch.empty_like(x) if square is None else square
+    stream, cursor, appends = values.words, values.cursor, values.appends
+    codec.encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, relu_square=square)
+    return CompressedTensor(x.shape, x.dtype, sign_pack, geometry, fixed, values, base, values.generation), square
+
+
+def below_zero_cleared(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with every element below zero replaced by +0.0 (``-0.0`` and NaNs are not below)."""
+    return torch.where(x < 0, torch.zeros_like(x), x)
+
+
 def check_successive_appends(backend: str, device: str = "cpu") -> None:
     """Appends to one buffer follow each other: each starts at the cursor its predecessor
     left, reports its end plus one, and leaves the encoders' scratch counters at zero."""

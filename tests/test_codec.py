@@ -14,8 +14,10 @@ from helpers import (
     DTYPES,
     SPECIALS,
     assert_bitwise_equal,
+    below_zero_cleared,
     check_against_reference,
     check_successive_appends,
+    compress_relu_of,
     compress_with,
     dtype_id,
     from_patterns,
@@ -30,7 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bitsparse import CompressedTensor, TileGeometry, ValueBuffer, compress, decompress
-from bitsparse.codecs import get_codec
+from bitsparse.codecs import SQUARE_DTYPES, get_codec
 from bitsparse.compressed import decompress_with
 from bitsparse.format import PACKED_TILE_FLAG, compressed_nbytes, dtype_spec
 
@@ -741,3 +743,39 @@ def test_measure_moves_the_cursor_as_encode_does(dtype, sign_pack):
         assert int(counters[0]) - before == words
         assert int(report) == int(counters[0]) + 1
         assert counters[1:].tolist() == [0, 0]
+
+
+def relu_square_input(dtype: torch.dtype, seed) -> torch.Tensor:
+    """Random bit patterns (every sign, NaN payload and subnormal), half of them zeros, and
+    -0.0, NaNs of both signs and both infinities among them."""
+    g = generator("relu_square", dtype, seed)
+    x = random_bits(3 * 4096 + 18, dtype, g)
+    x.view(dtype_spec(dtype).bits_dtype)[torch.rand(x.numel(), generator=g) < 0.5] = 0
+    x[:6] = torch.tensor([-0.0, float("nan"), -float("nan"), float("inf"), -float("inf"), -1.0], dtype=dtype)
+    return x
+
+
+@pytest.mark.parametrize("sign_pack", [False, True], ids=["raw", "signpack"])
+@pytest.mark.parametrize("dtype", SQUARE_DTYPES, ids=dtype_id)
+def test_relu_square_stores_the_relu_and_writes_its_square(dtype, sign_pack):
+    """``encode`` with ``relu_square`` stores what ``compress`` stores for ``x`` with every
+    element below zero cleared (-0.0 and NaNs kept), in as many bytes, and writes its square
+    as float32 arithmetic rounds it; ``measure`` claims the same words and writes the same
+    square."""
+    x = relu_square_input(dtype, sign_pack)
+    relu = below_zero_cleared(x)
+    assert int_view(relu)[:5].tolist() == int_view(x)[:3].tolist() + [int_view(x)[3].item(), 0]
+    c, square = compress_relu_of(x, BACKEND, sign_pack)
+    assert_bitwise_equal(decompress(c, backend=BACKEND), relu)
+    plain = compress(relu, sign_pack=sign_pack, backend=BACKEND)
+    assert torch.equal(c.masks, plain.masks) and c.nbytes == plain.nbytes
+    numbers = ~torch.isnan(relu)
+    assert_bitwise_equal(square[numbers], (relu[numbers].double() ** 2).to(dtype))  # exact, then rounded once
+    assert torch.isnan(square[~numbers]).all()
+
+    counters = torch.zeros(3, dtype=torch.int64)
+    measured = torch.empty_like(x)
+    codec = get_codec(BACKEND, x.device)
+    codec.measure(x, counters[:1], counters[1:], dtype_spec(dtype), TileGeometry(), sign_pack, relu_square=measured)
+    assert int(counters[0]) == int(plain.stream_words())
+    assert_bitwise_equal(measured, square)

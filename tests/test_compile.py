@@ -13,6 +13,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn as nn
+from helpers import assert_bitwise_equal, compress_relu_of
 from test_hooks import (  # noqa: F401 (clean_session: autouse fixture)
     OPTIONS,
     Block,
@@ -127,7 +128,11 @@ def test_compiled_convnet_with_inplace_relu():
 def _bitsparse_ops_among_kernels(code: str) -> str:
     """The order of a compiled graph's calls: ``S`` a store, ``R`` a restore, ``k`` a kernel
     inductor calls out to (a matrix product, or another op it does not generate)."""
-    calls = {"torch.ops.bitsparse.store.default(": "S", "torch.ops.bitsparse.restore_into.default(": "R"}
+    calls = {
+        "torch.ops.bitsparse.store.default(": "S",
+        "torch.ops.bitsparse.store_relu_square.default(": "S",
+        "torch.ops.bitsparse.restore_into.default(": "R",
+    }
     order = []
     for line in code.splitlines():
         line = line.strip()
@@ -175,10 +180,14 @@ def test_compiled_stores_follow_their_tensors_and_restores_precede_their_uses(st
     assert backward.count("R") == 3 and "RR" not in backward and not backward.startswith("R"), backward
 
 
-def test_compiled_arena_that_is_full_stays_exact():
-    stats, _, _ = compiled_steps(mlp(), mlp_input(), capacity=4096)
-    assert stats[0].fallbacks.get("arena_full", 0) > 0  # kept dense: a copy the graph cannot reuse
-    assert stats[-1].fallbacks == {} and stats[-1].tensors_compressed == 2  # the arena grew
+@pytest.mark.parametrize("relu_squares", [False, True], ids=["mlp", "relu_squares"])
+def test_compiled_arena_that_is_full_stays_exact(relu_squares):
+    """Kept dense where the arena has no room (a ReLU output that the forward squares as its
+    input, and restored as its ReLU), exact; the arena grows."""
+    model, x = (transformer(), sequence_input()) if relu_squares else (mlp(), mlp_input())
+    stats, _, _ = compiled_steps(model, x, capacity=4096)
+    assert stats[0].fallbacks.get("arena_full", 0) > 0
+    assert stats[-1].fallbacks == {} and stats[-1].tensors_compressed == (3 if relu_squares else 2)
 
 
 def test_a_dynamo_reset_inside_a_block_leaves_its_compile_exact():
@@ -354,3 +363,83 @@ def test_max_autotune_without_cuda_graphs():
         mlp(), mlp_input(), compile=lambda m, c: torch.compile(m, mode="max-autotune-no-cudagraphs")
     )
     assert [s.tensors_compressed for s in stats] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("variant", [0, 1, 2], ids=["relu_square", "square_of_relu", "inplace_relu_on_a_view_pow"])
+def test_a_relu_output_the_forward_squares_is_stored_by_the_op_that_squares_it(variant):
+    """``fuse_relu_squares``: the forward reads the ReLU's input once, in one op that stores
+    its ReLU and writes the square, and computes no ReLU of its own."""
+    import re
+
+    compiled = torch.compile(nn.Sequential(Block(32, variant, nn.LayerNorm)))
+    with bitsparse.compressing(**OPTIONS):
+        forward = _generated_code(lambda: compiled(sequence_input()))[0]
+    assert forward.count("torch.ops.bitsparse.store_relu_square.default(") == 1
+    assert "torch.ops.bitsparse.store.default(" not in forward
+    assert not re.search(r"(cpp|triton)_\w*relu", forward)
+
+
+class ReLUSquared(nn.Module):
+    """``down(relu(x) ** 2)`` on its input, so that a test chooses the ReLU's input bits."""
+
+    def __init__(self, d=128):
+        super().__init__()
+        torch.manual_seed(0)
+        self.down = nn.Linear(d, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(x) ** 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_fused_relu_square_of_edge_values_gives_the_gradients_of_the_graph_without_it(dtype):
+    """-0.0, subnormals of both signs, squares that underflow or overflow, infinities and a
+    NaN in the ReLU's input: the gradients (the input's too, which the restored ReLU output
+    gives directly) are those of the same compiled model without BitSparse, bit for bit."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(3)).to(dtype)
+    tiny = torch.finfo(dtype).tiny
+    edges = [-0.0, tiny / 4, -tiny / 4, 1e-30, -1e-30, 1e30, -1e30, -float("inf"), float("inf"), float("nan")]
+    x[:4, : len(edges)] = torch.tensor(edges, dtype=dtype)
+    x[4:, :] = x[4:, :].clamp(-1e4, 1e4)  # the rows below the edges stay finite
+    model = ReLUSquared().to(dtype)
+    stats, frames, _ = compiled_steps(model, x.requires_grad_())
+    assert frames == 1 and [s.tensors_compressed for s in stats] == [1, 1, 1]
+
+
+def test_a_fused_relu_square_whose_site_does_not_pay_is_kept_and_squared():
+    """A ReLU that zeroes nothing does not pay: under ``enable()``, whose hooks (and so the
+    compiled graph) stay, it is kept as its input and restored as its ReLU, with its square
+    still written, exactly."""
+    x = (torch.rand(64, 128, generator=torch.Generator().manual_seed(4)) + 0.5).requires_grad_()
+    model = ReLUSquared()
+    compiled = torch.compile(model)
+    expected = train_step(compiled, x, contextlib.nullcontext())
+    bitsparse.enable(**OPTIONS)
+    try:
+        for step in range(3):
+            assert_same_grads(train_step(compiled, x, contextlib.nullcontext()), expected)
+            stats = bitsparse.stats()  # the loss's own saved tensor is small
+            assert stats.tensors_skipped == {"small": 1, **({"unprofitable_site": 1} if step else {})}, str(stats)
+            assert stats.tensors_compressed == (step == 0) and stats.fallbacks == {}
+    finally:
+        bitsparse.disable()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_the_codecs_relu_and_its_square_are_those_of_compiled_code(dtype):
+    """What a fused store writes (the square) is what inductor's code computes for ``relu(x)
+    ** 2``, and what it restores (the ReLU) what inductor's ReLU writes, for every bit pattern
+    of the 16-bit dtypes and a spread of float32's (NaN payloads, subnormals, rounding
+    cases). A NaN is restored as it was given: compiled code quiets some when it writes a
+    ReLU out, which the graph without BitSparse never does (its backward computes the ReLU
+    from the same input bits, in float32)."""
+    from bitsparse.hooks.exactness import probe
+
+    x = probe(dtype, torch.device("cpu"))
+    relu, square = torch.compile(lambda x: (torch.relu(x), torch.relu(x) ** 2))(x)
+    stored, fused = compress_relu_of(x, "torch")
+    assert_bitwise_equal(fused, square)
+    restored = bitsparse.decompress(stored)
+    nan = torch.isnan(x)
+    assert_bitwise_equal(restored[~nan], relu[~nan])
+    assert_bitwise_equal(restored[nan], x[nan])

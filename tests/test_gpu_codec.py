@@ -10,8 +10,10 @@ import pytest
 import torch
 from helpers import (
     assert_bitwise_equal,
+    below_zero_cleared,
     check_against_reference,
     check_successive_appends,
+    compress_relu_of,
     compress_with,
     dtype_id,
     expected_tile_stats,
@@ -289,7 +291,17 @@ def test_launch_key_determines_the_compiled_kernel(monkeypatch):
             2 * triton_codec._encode_programs(torch.cuda.current_device()) * 4096 + 5, torch.bfloat16, 0.5, g
         )
         assert_bitwise_equal(decompress(compress(x, sign_pack=True)), x)
-    assert len(launches) == len(modes) * 2 * (2 * 5 + len(GPU_DTYPES) + 1)
+        # A ReLU's square written, aligned and not (the portable encoder then), and measured.
+        squares = torch.empty_like(storage)
+        for offset, numel in ((0, 2 * 4096), (1, 4097)):
+            x, square = storage[offset : offset + numel], squares[offset : offset + numel]
+            c, _ = compress_relu_of(x, "triton", square=square)
+            assert_bitwise_equal(decompress(c), x.masked_fill(x < 0, 0))
+        counters = torch.zeros(3, dtype=torch.int64, device="cuda")
+        triton_codec.measure(
+            storage, counters[:1], counters[1:], dtype_spec(storage.dtype), TileGeometry(), False, relu_square=squares
+        )
+    assert len(launches) == len(modes) * (2 * (2 * 5 + len(GPU_DTYPES) + 1) + 2 * 2 + 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=dtype_id)
@@ -303,6 +315,38 @@ def test_decode_writes_the_square(dtype, sign_pack):
     value, square = decompress_with(c, get_codec("triton", x.device), square=True)
     assert_bitwise_equal(value, x)
     assert_bitwise_equal(square, torch.square(x))
+
+
+@pytest.mark.parametrize("sign_pack", [False, True], ids=["raw", "signpack"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=dtype_id)
+def test_relu_square_is_the_compiled_relu_square(dtype, sign_pack, monkeypatch):
+    """``relu_square`` on CUDA, by the Gluon encoder, the portable one (also for a length the
+    Gluon encoder does not take: it writes the square in whole words) and the measure: the
+    square is what inductor's code computes for ``relu(x) ** 2`` for every bit pattern of the
+    16-bit dtypes (a spread of float32's), and the ReLU stored is the reference codec's, in
+    the same masks (what the CPU tests compare with inductor's code on the CPU)."""
+    from bitsparse.hooks.exactness import probe
+
+    calls = gluon_encodes(monkeypatch, dtype.itemsize * 8)
+    x = probe(dtype, torch.device("cuda")).repeat(3)[: 3 * 65536 - 4]  # not a whole number of tiles
+    odd = x[:-1]
+    square_of_relu = torch.compile(lambda x: torch.relu(x) ** 2, dynamic=False)
+    for case, portable in ((x, False), (x, True), (odd, True)):
+        with monkeypatch.context() as m:
+            if portable:
+                m.setattr(triton_codec, "_GLUON", False)
+            c, square = compress_relu_of(case, "triton", sign_pack)
+        assert_bitwise_equal(square, square_of_relu(case))
+        relu = below_zero_cleared(case.cpu())
+        assert_bitwise_equal(decompress(c).cpu(), relu)
+        reference, _ = compress_relu_of(case.cpu(), "torch", sign_pack)
+        assert torch.equal(c.masks.cpu(), reference.masks) and c.nbytes == reference.nbytes
+    assert len(calls) == (1 if triton_codec._GLUON else 0)
+    counters = torch.zeros(3, dtype=torch.int64, device="cuda")
+    measured = torch.empty_like(x)
+    spec = dtype_spec(dtype)
+    triton_codec.measure(x, counters[:1], counters[1:], spec, TileGeometry(), sign_pack, relu_square=measured)
+    assert_bitwise_equal(measured, square_of_relu(x))
 
 
 def test_successive_appends_report_into_pinned_memory():

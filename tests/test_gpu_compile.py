@@ -56,6 +56,22 @@ def test_compiled_gpt_bf16_gradients_are_bit_identical(scope, sign_pack):
     assert stats.tensors_compressed == 3 and stats.fallbacks == {}, str(stats)
 
 
+def test_compiled_gpt_stores_each_relu_output_where_it_squares_it():
+    """The GPT's ``fc(x).relu_().square()`` compiles to one op per layer that stores the ReLU
+    output and writes its square (``fuse_relu_squares``): three in the whole forward, one in
+    the block that every layer runs when each is compiled alone."""
+    from test_compile import _generated_code
+
+    for scope, fused in (("model", 3), ("block", 1)):
+        torch._dynamo.reset()
+        _, loss_fn = compiled_gpt(scope)
+        with bitsparse.compressing(min_numel=1024):
+            codes = _generated_code(loss_fn)
+        forwards = "".join(code for code in codes if "bitsparse.restore_into" not in code)
+        assert forwards.count("torch.ops.bitsparse.store_relu_square.default(") == fused, scope
+        assert "torch.ops.bitsparse.store.default(" not in forwards, scope
+
+
 def test_compiled_step_has_no_host_synchronization():
     model, loss_fn = compiled_gpt("model")
     for _ in range(3):  # compile, and let the arena settle

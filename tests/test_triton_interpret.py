@@ -19,8 +19,10 @@ if torch.cuda.is_available():
 from helpers import (  # noqa: E402
     DTYPES,
     assert_bitwise_equal,
+    below_zero_cleared,
     check_against_reference,
     check_successive_appends,
+    compress_relu_of,
     compress_with,
     dtype_id,
     from_patterns,
@@ -330,3 +332,33 @@ def test_measure_moves_the_cursor_as_encode_does(dtype, sign_pack):
             assert int(counters[0]) - before == words
             assert int(report) == int(counters[0]) + 1
             assert counters[1:].tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("sign_pack", [False, True], ids=["raw", "signpack"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=dtype_id)
+def test_relu_square_matches_the_reference(dtype, sign_pack):
+    """The Triton encoder's and measure's ``relu_square``: the ReLU stored as the torch codec
+    stores it (each decodes the other's), and the same square, except for bfloat16, which the
+    interpreter rounds by truncation and whose subnormals it flushes to zero when it widens
+    them (so none is given here; ``test_gpu_codec.py`` checks them compiled)."""
+    g = generator("relu_square-triton", dtype, sign_pack)
+    x = random_bits(3 * 4096 + 18, dtype, g)
+    bits = x.view(dtype_spec(dtype).bits_dtype)
+    bits[torch.rand(x.numel(), generator=g) < 0.5] = 0
+    if dtype == torch.bfloat16:
+        bits[(bits & 0x7F80) == 0] = 0
+    relu = below_zero_cleared(x)
+    (ct, square_t), (cr, square_r) = (compress_relu_of(x, backend, sign_pack) for backend in ("triton", "torch"))
+    assert torch.equal(ct.masks, cr.masks) and torch.equal(ct.tile_words < 0, cr.tile_words < 0)
+    assert ct.nbytes == cr.nbytes
+    for c in (ct, cr):
+        for backend in ("triton", "torch"):
+            assert_bitwise_equal(decompress(c, backend=backend), relu)
+    if dtype != torch.bfloat16:
+        assert_bitwise_equal(square_t, square_r)
+    counters = torch.zeros(3, dtype=torch.int64)
+    measured = torch.empty_like(x)
+    spec = dtype_spec(dtype)
+    triton_codec.measure(x, counters[:1], counters[1:], spec, TileGeometry(), sign_pack, relu_square=measured)
+    assert int(counters[0]) == int(cr.stream_words())
+    assert_bitwise_equal(measured, square_t)

@@ -5,7 +5,8 @@ is a preallocated argument whose shape the host knows, and everything whose size
 the data (the value stream) goes into a caller-provided word buffer at a position held in a
 device tensor. Neither entry point synchronizes with the host.
 
-``encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros=None, report=None)``
+``encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros=None, report=None,
+relu_square=None)``
     Reads the bits of ``x`` (a contiguous tensor of ``spec.dtype``, at least one element)
     in flattened order, writes ``fixed`` (int32 ``[num_tiles * (mask_words + 1)]``: the
     masks, ``mask_words`` per tile, then one tile word per tile), appends the value stream to
@@ -17,11 +18,19 @@ device tensor. Neither entry point synchronizes with the host.
     cursor, which still advances past the capacity. When given, ``nonzeros`` (int64 ``[1]``)
     is incremented by the number of stored elements (for statistics), and ``report`` (int64
     ``[1]``, zero) receives the new cursor plus one as the last thing the call writes.
+    When given, ``relu_square`` (contiguous, like ``x``; float16, bfloat16 or float32 only)
+    makes ``x`` the input of a ReLU: what is stored is ``relu(x)``, which keeps the bits of
+    every element not below zero (``-0.0`` and NaNs included) and is ``+0.0`` elsewhere, and
+    ``relu_square`` receives its elementwise square, computed in float32 and rounded to
+    nearest even, as compiled code computes ``relu(x) ** 2``. A compiled forward that saves a
+    ReLU output and squares it then reads its input once, and writes neither the ReLU output
+    nor a second copy of it.
 
-``measure(x, cursor, appends, spec, geometry, sign_pack, report=None)``
+``measure(x, cursor, appends, spec, geometry, sign_pack, report=None, relu_square=None)``
     Advances ``cursor`` by the words ``encode`` would append for ``x`` and, when given,
-    reports the new cursor plus one in ``report``, as ``encode`` does; writes nothing else.
-    An allocator measures what it has no room for, to size itself for the next step.
+    reports the new cursor plus one in ``report`` and writes ``relu_square`` as ``encode``
+    does; writes nothing else. An allocator measures what it has no room for, to size itself
+    for the next step.
 
 ``decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None)``
     Writes every element of ``out`` (a contiguous tensor of ``spec.dtype``, restored in
@@ -31,11 +40,12 @@ device tensor. Neither entry point synchronizes with the host.
     same pass: backward needs both a ReLU's output and its square, and rereading the output
     to square it cost as much memory traffic as decoding it.
 
-``encoder(stream, cursor, appends, spec, geometry, sign_pack, numel, count_nonzeros, report)``
+``encoder(stream, cursor, appends, spec, geometry, sign_pack, numel, count_nonzeros, report, relu_square=False)``
     ``encode`` prepared for many calls with the same stream and kind of tensor: returns
-    ``encode_into(x, fixed, base, nonzeros=None, report=None)``, which does what ``encode``
-    does for an ``x`` of ``numel`` elements, given ``nonzeros`` exactly when
-    ``count_nonzeros`` and ``report`` exactly when ``report`` was true. An allocator that
+    ``encode_into(x, fixed, base, nonzeros=None, report=None, square=None)``, which does what
+    ``encode`` does for an ``x`` of ``numel`` elements, given ``nonzeros`` exactly when
+    ``count_nonzeros``, ``report`` exactly when ``report`` and ``square`` (``encode``'s
+    ``relu_square``) exactly when ``relu_square`` was true. An allocator that
     stores a save site's tensors step after step prepares once: a call then costs little
     more host time than the kernel launch.
 
@@ -58,6 +68,8 @@ import torch
 from bitsparse.format import DTypeSpec, TileGeometry
 
 BACKENDS = ("torch", "triton")
+SQUARE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Dtypes whose squares the codecs write (``decode``'s ``square``, ``encode``'s ``relu_square``)."""
 
 
 class Codec(Protocol):
@@ -79,6 +91,7 @@ class Codec(Protocol):
         sign_pack: bool,
         nonzeros: torch.Tensor | None = None,
         report: torch.Tensor | None = None,
+        relu_square: torch.Tensor | None = None,
     ) -> None: ...
 
     def measure(
@@ -90,6 +103,7 @@ class Codec(Protocol):
         geometry: TileGeometry,
         sign_pack: bool,
         report: torch.Tensor | None = None,
+        relu_square: torch.Tensor | None = None,
     ) -> None: ...
 
     def encoder(
@@ -103,6 +117,7 @@ class Codec(Protocol):
         numel: int,
         count_nonzeros: bool,
         report: bool,
+        relu_square: bool = False,
     ) -> Callable[..., None]: ...
 
     def decoder(
@@ -120,6 +135,13 @@ class Codec(Protocol):
         sign_pack: bool,
         square: torch.Tensor | None = None,
     ) -> None: ...
+
+
+def relu(x: torch.Tensor) -> torch.Tensor:
+    """The ReLU of ``x`` that ``encode`` stores for ``relu_square``: ``+0.0`` where ``x`` is
+    below zero, and the bits of ``x`` elsewhere (``-0.0`` and NaNs included), as compiled code
+    computes ``relu``."""
+    return x.masked_fill(x < 0, 0)
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,6 +14,9 @@ packed decoder about 40%, bound by instructions and latency (docs/benchmarks.md)
   copies, all in flight at once);
 - (encoder) claim stream space for ``GROUP`` tiles with one atomic: the claim counter is one
   address that every program hits;
+- (encoder, ``relu_square``) write the square in a loop of its own, a 16-byte vector per
+  thread at a time, then load the values again (from L2): squared beside the values held for
+  the scan, the words spilled registers;
 - (decoder) issue every load of a tile's fixed part before the first barrier, so that the
   stream's load waits for one round trip to memory, not two, and prefetch the fixed part of
   a later tile into L2, so that the first of those round trips can end there.
@@ -438,6 +441,57 @@ def _popcount(x):
     return gl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
 
 
+@constexpr_function
+def _all_but_value(k, bits):
+    """An int32 with every bit set but those of value ``k`` of a word of ``bits``-bit values."""
+    word = 0xFFFFFFFF & ~(((1 << bits) - 1) << (bits * k))
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
+@gluon.jit
+def _widen(bits, FLOAT: gl.constexpr, BITS: gl.constexpr):
+    """Values of ``FLOAT`` given as their bits (the lowest ``BITS`` of each int32), as float32."""
+    if BITS == 32:
+        wide = bits.to(gl.float32, bitcast=True)
+    elif FLOAT == gl.bfloat16:
+        wide = (bits << 16).to(gl.float32, bitcast=True)
+    else:
+        wide = bits.to(gl.int16).to(FLOAT, bitcast=True).to(gl.float32)
+    return wide
+
+
+@gluon.jit
+def _narrow(wide, FLOAT: gl.constexpr, BITS: gl.constexpr):
+    """float32 values rounded to ``FLOAT`` (nearest even), as their bits in the lowest ``BITS``
+    of an int32."""
+    if BITS == 32:
+        bits = wide.to(gl.int32, bitcast=True)
+    else:
+        bits = wide.to(FLOAT).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return bits
+
+
+@gluon.jit
+def _square_of_relu(x, FLOAT: gl.constexpr, BITS: gl.constexpr):
+    """For 32-bit words ``x`` of ``32 // BITS`` values of ``FLOAT`` each, the words of the square
+    of their ReLU: in float32, rounded to nearest even, as ``triton_codec._load_bits``."""
+    square = gl.zeros_like(x)
+    for k in gl.static_range(32 // BITS):
+        wide = _widen(_value_bits(x, k, BITS), FLOAT, BITS)
+        square |= _narrow(gl.where(wide < 0, 0.0, wide * wide), FLOAT, BITS) << (BITS * k)
+    return square
+
+
+@gluon.jit
+def _relu(x, FLOAT: gl.constexpr, BITS: gl.constexpr):
+    """The words of the ReLU of words ``x`` (as ``_square_of_relu``'s): ``+0.0`` below zero,
+    the bits of every other value kept."""
+    for k in gl.static_range(32 // BITS):
+        below = _widen(_value_bits(x, k, BITS), FLOAT, BITS) < 0
+        x = gl.where(below, x & _all_but_value(k, BITS), x)
+    return x
+
+
 @gluon.jit(do_not_specialize=_ENCODE_UNSPECIALIZED, do_not_specialize_on_alignment=_ENCODE_UNSPECIALIZED)
 def encode_kernel(
     x_ptr,
@@ -448,6 +502,7 @@ def encode_kernel(
     base_ptr,
     report_ptr,
     nonzeros_ptr,
+    square_ptr,
     numel,
     capacity,
     num_tiles,
@@ -458,10 +513,14 @@ def encode_kernel(
     SIGN_PACK: gl.constexpr,
     COUNT_NONZEROS: gl.constexpr,
     REPORT: gl.constexpr,
+    RELU_SQUARE: gl.constexpr,
 ):
     """Encode tiles ``GROUP * pid ...``; the protocol of ``triton_codec._encode_kernel``
     (claims relative to the cursor, the last program to finish advances it). With
-    ``SIGN_PACK`` (``GROUP`` 2), a tile whose nonzeros all have a clear sign bit is packed."""
+    ``SIGN_PACK`` (``GROUP`` 2), a tile whose nonzeros all have a clear sign bit is packed.
+    With ``RELU_SQUARE``, ``x`` is the input of a ReLU, whose output is encoded and whose
+    square is written to ``square_ptr`` (``numel`` must then be a multiple of ``32 // BITS``:
+    the square is stored in whole words)."""
     WARPS: gl.constexpr = gl.num_warps()
     WORDS: gl.constexpr = TILE // 32
     ROWS: gl.constexpr = GROUP * WORDS  # mask words of the group
@@ -488,7 +547,20 @@ def encode_kernel(
     word_index = first_tile * (TILE // PER_WORD) + (row * (32 // PER_WORD) + chunk_index * 4)[:, :, None] + lane
     index = word_index * PER_WORD  # of the word's first value
     words_ptr = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)  # the caller checks 16-byte alignment
-    if first_tile * TILE <= numel - GROUP * TILE:  # the group is whole (in int32: numel < 2**31)
+    whole = first_tile * TILE <= numel - GROUP * TILE  # the group is whole (in int32: numel < 2**31)
+    if RELU_SQUARE:
+        # First the square, a 16-byte vector a thread at a time, from loads of its own: the
+        # values are loaded again below (from L2), so that the square's words are not held
+        # in registers beside them (which spilled).
+        flat: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])
+        STEP: gl.constexpr = 4 * 32 * WARPS
+        square_words = square_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        for step in range(0, GROUP * TILE // PER_WORD, STEP):
+            w = first_tile * (TILE // PER_WORD) + step + gl.arange(0, STEP, layout=flat)
+            inside = w < numel // PER_WORD
+            square = _square_of_relu(gl.load(words_ptr + w, mask=inside), x_ptr.dtype.element_ty, BITS)
+            gl.store(square_words + w, square, mask=inside)
+    if whole:
         x = gl.load(words_ptr + word_index)
     else:
         x = gl.load(words_ptr + word_index, mask=index < numel, other=0)
@@ -497,6 +569,8 @@ def encode_kernel(
             # aligned span): their bits are cleared.
             valid = gl.maximum(gl.minimum(numel - index, PER_WORD), 0)
             x = x & gl.where(valid == PER_WORD, -1, (1 << (BITS * valid)) - 1)
+    if RELU_SQUARE:
+        x = _relu(x, x_ptr.dtype.element_ty, BITS)
     bits = gl.zeros_like(x)  # bit i: value i of the vector is nonzero
     for k in gl.static_range(PER_WORD):
         bits |= gl.where(_value_bits(x, k, BITS) != 0, 1 << (lane * PER_WORD + k), 0)

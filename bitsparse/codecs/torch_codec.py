@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from bitsparse.codecs import relu
 from bitsparse.format import (
     MAX_TILE_OFFSET,
     PACKED_TILE_FLAG,
@@ -89,15 +90,30 @@ def _stream_lengths(padded, nonzero, spec: DTypeSpec, sign_pack: bool):
     return counts, packed, width, (counts * width + WORD_BITS - 1) // WORD_BITS
 
 
-def measure(x, cursor, appends, spec, geometry, sign_pack, report=None):
+def relu_and_square(x: torch.Tensor, square: torch.Tensor) -> torch.Tensor:
+    """``codecs.relu(x)``, with its elementwise square written into ``square``: computed in
+    float32, rounded to the dtype (nearest even)."""
+    x = relu(x)
+    wide = x.float()
+    square.copy_(wide * wide)
+    return x
+
+
+def measure(x, cursor, appends, spec, geometry, sign_pack, report=None, relu_square=None):
+    if relu_square is not None:
+        x = relu_and_square(x, relu_square)
     padded, nonzero = _tiles(x, spec, geometry)
     cursor.add_(_stream_lengths(padded, nonzero, spec, sign_pack)[3].sum())
     if report is not None:
         report.copy_(cursor + 1, non_blocking=True)
 
 
-def encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros=None, report=None):
+def encode(
+    x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros=None, report=None, relu_square=None
+):
     # One vectorised pass claims every tile's words at once: ``appends`` is not needed.
+    if relu_square is not None:
+        x = relu_and_square(x, relu_square)
     masks, tile_words = split_fixed(fixed, geometry)
     num_tiles, tile = masks.shape[0], geometry.tile_size
     device = x.device
@@ -160,9 +176,9 @@ def decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None):
         torch.square(out, out=square)
 
 
-def encoder(stream, cursor, appends, spec, geometry, sign_pack, numel, count_nonzeros, report):
-    def encode_into(x, fixed, base, nonzeros=None, report_word=None):
-        encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros, report_word)
+def encoder(stream, cursor, appends, spec, geometry, sign_pack, numel, count_nonzeros, report, relu_square=False):
+    def encode_into(x, fixed, base, nonzeros=None, report_word=None, square=None):
+        encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros, report_word, square)
 
     return encode_into
 

@@ -152,6 +152,23 @@ def _bits_pointer(ptr, BITS: tl.constexpr):
         return ptr.to(tl.pointer_type(tl.int32))
 
 
+@triton.jit
+def _load_bits(x_ptr, square_ptr, index, mask, BITS: tl.constexpr, RELU_SQUARE: tl.constexpr):
+    """The bit patterns of ``x`` at ``index`` (0 where masked off). With ``RELU_SQUARE``,
+    those of ``relu(x)`` (``+0.0`` below zero, every other value's bits kept), whose square
+    is stored at ``index`` of ``square_ptr``: in float32, rounded to nearest even, as
+    inductor computes ``relu(x) ** 2``."""
+    x = tl.load(x_ptr + index, mask=mask, other=0)
+    bits = _as_bits(x, BITS)
+    if RELU_SQUARE:
+        wide = x.to(tl.float32)
+        below = wide < 0
+        square = tl.where(below, 0.0, wide * wide)
+        tl.store(square_ptr + index, square.to(square_ptr.dtype.element_ty), mask=mask)
+        bits = tl.where(below, tl.zeros_like(bits), bits)
+    return bits
+
+
 @triton.jit(do_not_specialize=_ENCODE_UNSPECIALIZED, do_not_specialize_on_alignment=_ENCODE_UNSPECIALIZED)
 def _encode_kernel(
     x_ptr,
@@ -163,6 +180,7 @@ def _encode_kernel(
     report_ptr,
     nonzeros_ptr,
     scratch_ptr,
+    square_ptr,
     numel,
     capacity,
     num_tiles,
@@ -175,6 +193,7 @@ def _encode_kernel(
     COUNT_NONZEROS: tl.constexpr,
     REPORT: tl.constexpr,
     HW_POPC: tl.constexpr,
+    RELU_SQUARE: tl.constexpr,
 ):
     MASK_WORDS: tl.constexpr = TILE // 32
     VALUES_PER_WORD: tl.constexpr = 32 // BITS
@@ -192,7 +211,8 @@ def _encode_kernel(
         tile = pid + step * num_programs
         real = _flag(tile < num_tiles)
         index = tile * TILE + offsets
-        x = _as_bits(tl.load(x_ptr + index, mask=real & (index < numel), other=0), BITS)
+        inside = real & (index < numel)
+        x = _load_bits(x_ptr, square_ptr, index, inside, BITS, RELU_SQUARE)
         nonzero = x != 0
         words = _mask_words(nonzero, MASK_WORDS)
         tl.store(
@@ -299,6 +319,7 @@ def _measure_kernel(
     cursor_ptr,
     appends_ptr,
     report_ptr,
+    square_ptr,
     numel,
     num_programs,
     TILE: tl.constexpr,
@@ -306,15 +327,17 @@ def _measure_kernel(
     TILES_PER_PROGRAM: tl.constexpr,
     SIGN_PACK: tl.constexpr,
     REPORT: tl.constexpr,
+    RELU_SQUARE: tl.constexpr,
 ):
     """Claim the words ``_encode_kernel`` would append for ``TILES_PER_PROGRAM`` tiles, and
-    end the append as it does: the cursor moves, nothing else is written."""
+    end the append as it does: the cursor moves, nothing else is written but the square of
+    ``RELU_SQUARE``."""
     offsets = tl.arange(0, TILE)
     base = tl.load(cursor_ptr)
     words = tl.zeros([], dtype=tl.int32)
     for i in tl.static_range(TILES_PER_PROGRAM):
         index = (tl.program_id(0) * TILES_PER_PROGRAM + i) * TILE + offsets
-        x = _as_bits(tl.load(x_ptr + index, mask=index < numel, other=0), BITS)
+        x = _load_bits(x_ptr, square_ptr, index, index < numel, BITS, RELU_SQUARE)
         nonzero = x != 0
         count = tl.sum(nonzero.to(tl.int32), axis=0)
         if SIGN_PACK:
@@ -546,9 +569,9 @@ def _int_class(n: int) -> tuple[bool, bool]:
     return n == 1, n % 16 == 0
 
 
-def encoder(stream, cursor, appends, spec, geometry, sign_pack, numel, count_nonzeros, report):
+def encoder(stream, cursor, appends, spec, geometry, sign_pack, numel, count_nonzeros, report, relu_square=False):
     # Everything that depends only on the arguments given here is worked out once: per call,
-    # the launch needs the addresses of the call's tensors and the alignment of two of them.
+    # the launch needs the addresses of the call's tensors and the alignment of three of them.
     tile = geometry.tile_size
     num_tiles = -(-numel // tile)
     device = stream.get_device()
@@ -556,11 +579,12 @@ def encoder(stream, cursor, appends, spec, geometry, sign_pack, numel, count_non
     stream_address, cursor_address, appends_address = stream.data_ptr(), cursor.data_ptr(), appends.data_ptr()
     byte_values = spec.itemsize == 1
     large = capacity >= 1 << 31
-    gluon = _gluon_serves(tile, spec, stream)
+    # The Gluon encoder writes a square in whole 32-bit words of values.
+    gluon = _gluon_serves(tile, spec, stream) and (not relu_square or numel % (WORD_BITS // spec.bits) == 0)
     if gluon:
         gluon_launcher = _gluon_encode_launchers[spec.bits]
         gluon_programs = -(-num_tiles // gluon_kernels.GROUP)
-        gluon_constexprs = (tile, spec.bits, gluon_kernels.GROUP, sign_pack, count_nonzeros, report)
+        gluon_constexprs = (tile, spec.bits, gluon_kernels.GROUP, sign_pack, count_nonzeros, report, relu_square)
         gluon_keys = {
             aligned: (_kernel_dtype(spec), aligned, _int_class(numel), large) + gluon_constexprs
             for aligned in (False, True)
@@ -577,56 +601,71 @@ def encoder(stream, cursor, appends, spec, geometry, sign_pack, numel, count_non
         count_nonzeros,
         report,
         not INTERPRETED,
+        relu_square,
     )
     key_head = (_kernel_dtype(spec),)
     key_tail = (_aligned(stream),)
     key_end = (_int_class(numel), _int_class(tiles_per_program), large) + constexprs
 
-    def encode_into(x, fixed, base, nonzeros=None, report_word=None):
+    def encode_into(x, fixed, base, nonzeros=None, report_word=None, square=None):
         if byte_values:
             x = x.view(torch.int8)
         x_address, fixed_address, base_address = x.data_ptr(), fixed.data_ptr(), base.data_ptr()
+        square_arg = x if square is None else square
+        square_address = square_arg.data_ptr()
         fixed_aligned = fixed_address % 16 == 0
         report_arg = base if report_word is None else report_word
         nonzeros_arg = cursor if nonzeros is None else nonzeros
         nonzeros_address = cursor_address if nonzeros is None else nonzeros.data_ptr()
         # The report word may be pinned host memory: passed as a tensor, the launcher asks the
         # driver for its device address.
-        if gluon and x_address % 16 == 0:  # it loads x in 16-byte vectors of words
+        if gluon and x_address % 16 == 0 and square_address % 16 == 0:  # it moves both in 16-byte vectors
             key = gluon_keys[fixed_aligned]
             compiled = gluon_launcher.ready(device, key)
             if compiled is None:
-                args = (x, stream, fixed, cursor, appends, base, report_arg, nonzeros_arg)
+                args = (x, stream, fixed, cursor, appends, base, report_arg, nonzeros_arg, square_arg)
                 tail = (numel, capacity, num_tiles, gluon_programs) + gluon_constexprs
                 gluon_launcher(gluon_programs, device, key, args + tail)
                 return
             args = (x_address, stream_address, fixed_address, cursor_address, appends_address, base_address)
-            tail = (report_arg, nonzeros_address, numel, capacity, num_tiles, gluon_programs) + gluon_constexprs
-            gluon_launcher.launch(compiled, gluon_programs, device, args + tail)
+            args += (report_arg, nonzeros_address, square_address, numel, capacity, num_tiles, gluon_programs)
+            gluon_launcher.launch(compiled, gluon_programs, device, args + gluon_constexprs)
             return
-        key = key_head + (x_address % 16 == 0,) + key_tail + (fixed_aligned,) + key_end
+        key = key_head + (x_address % 16 == 0, square_address % 16 == 0) + key_tail + (fixed_aligned,) + key_end
         scratch = torch.empty(programs * tile, dtype=spec.bits_dtype, device=x.device) if sign_pack else x
         compiled = _encode_launcher.ready(device, key)
         if compiled is None:
-            args = (x, stream, fixed, cursor, appends, base, report_arg, nonzeros_arg, scratch)
+            args = (x, stream, fixed, cursor, appends, base, report_arg, nonzeros_arg, scratch, square_arg)
             tail = (numel, capacity, num_tiles, programs, tiles_per_program) + constexprs
             _encode_launcher(programs, device, key, args + tail)
             return
         args = (x_address, stream_address, fixed_address, cursor_address, appends_address, base_address, report_arg)
-        tail = (nonzeros_address, scratch.data_ptr(), numel, capacity, num_tiles, programs, tiles_per_program)
+        args += (nonzeros_address, scratch.data_ptr(), square_address)
+        tail = (numel, capacity, num_tiles, programs, tiles_per_program)
         _encode_launcher.launch(compiled, programs, device, args + tail + constexprs)
 
     return encode_into
 
 
-def encode(x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros=None, report=None):
+def encode(
+    x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros=None, report=None, relu_square=None
+):
     prepared = encoder(
-        stream, cursor, appends, spec, geometry, sign_pack, x.numel(), nonzeros is not None, report is not None
+        stream,
+        cursor,
+        appends,
+        spec,
+        geometry,
+        sign_pack,
+        x.numel(),
+        nonzeros is not None,
+        report is not None,
+        relu_square is not None,
     )
-    prepared(x, fixed, base, nonzeros, report)
+    prepared(x, fixed, base, nonzeros, report, relu_square)
 
 
-def measure(x, cursor, appends, spec, geometry, sign_pack, report=None):
+def measure(x, cursor, appends, spec, geometry, sign_pack, report=None, relu_square=None):
     x = _kernel_view(x)
     numel = x.numel()
     if numel == 0:
@@ -635,9 +674,10 @@ def measure(x, cursor, appends, spec, geometry, sign_pack, report=None):
         return
     tile = geometry.tile_size
     programs = -(-numel // (tile * MEASURE_TILES_PER_PROGRAM))
-    constexprs = (tile, spec.bits, MEASURE_TILES_PER_PROGRAM, sign_pack, report is not None)
-    args = (x, cursor, appends, cursor if report is None else report, numel, programs) + constexprs
-    key = (x.dtype, _aligned(x), _int_class(numel)) + constexprs
+    square = x if relu_square is None else relu_square
+    constexprs = (tile, spec.bits, MEASURE_TILES_PER_PROGRAM, sign_pack, report is not None, relu_square is not None)
+    args = (x, cursor, appends, cursor if report is None else report, square, numel, programs) + constexprs
+    key = (x.dtype, _aligned(x), _aligned(square), _int_class(numel)) + constexprs
     _measure_launcher(programs, x.get_device(), key, args)
 
 
