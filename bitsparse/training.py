@@ -83,22 +83,17 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
         window: int = 1,
         recompute_squares: bool = True,
     ):
-        self.options = Options(
-            capacity=capacity,
-            sign_pack=sign_pack,
-            min_numel=min_numel,
-            select=select,
-            backend=backend,
-            window=window,
-            recompute_squares=recompute_squares,
-        )
-        super().__init__(*hooks_for(_session, self.options, _session.excluded_sites()))
+        self.options = _options(capacity, sign_pack, min_numel, select, backend, window, recompute_squares)
+        self._excluded = _session.excluded_sites()
+        super().__init__(*hooks_for(_session, self.options, self._excluded))
         self._steering: tuple | None = None
 
     def __enter__(self) -> "compressing":
         _session.begin_step()
         # The step just begun may have learned save sites that compiled graphs now leave out.
-        self.pack_hook, self.unpack_hook = hooks_for(_session, self.options, _session.excluded_sites())
+        if _session.excluded_sites() is not self._excluded:
+            self._excluded = _session.excluded_sites()
+            self.pack_hook, self.unpack_hook = hooks_for(_session, self.options, self._excluded)
         self._steering = steer_compiles()
         super().__enter__()
         _local.depth = _depth() + 1
@@ -110,6 +105,22 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
         stop_steering(self._steering)
         self._steering = None
         _session.poll()
+
+
+_checked_options: dict[tuple, Options] = {}
+"""Options already checked, by their values and types: a training loop enters a block with
+the same options at every step, and checking them took a noticeable part of its entry."""
+
+
+def _options(*values) -> Options:
+    key = tuple((type(value), value) for value in values)
+    try:
+        options = _checked_options.get(key)
+    except TypeError:  # an unhashable value: Options says what is wrong with it
+        return Options(*values)
+    if options is None:
+        options = _checked_options[key] = Options(*values)
+    return options
 
 
 def enable(

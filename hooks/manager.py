@@ -76,6 +76,8 @@ class Session:
         # tensor it was made for, see Handle.watch).
         self._packed: dict[int, weakref.ref] = {}
         self._unprofitable: set = set()
+        self._excluded = frozenset()
+        """The compiled sites among ``_unprofitable`` (see ``excluded_sites``)."""
         self._sites: dict[tuple, Site] = {}
         self._exact = ExactnessChecks()
 
@@ -274,8 +276,7 @@ class Session:
 
     def excluded_sites(self) -> frozenset:
         """The compiled save sites learned not to pay, which compiled graphs do not select."""
-        with self._lock:
-            return frozenset(site for site in self._unprofitable if isinstance(site, str))
+        return self._excluded
 
     def _arena(self, device: torch.device, options: Options) -> Arena:
         """The device's arena, resized when the options ask for another capacity (only
@@ -450,6 +451,8 @@ class Session:
                 demand[arena] = (0, 0)
             if dense_bytes < PROFITABLE_RATIO * 4 * (fixed_words + value_words):
                 self._unprofitable.add(site)
+                if isinstance(site, str):
+                    self._excluded |= {site}
             else:
                 demand[arena] = (demand[arena][0] + fixed_words, demand[arena][1] + value_words)
         self._stale_arenas = False
@@ -504,6 +507,7 @@ class Session:
             self._capacities.clear()
             self._sites.clear()
             self._unprofitable.clear()
+            self._excluded = frozenset()
             self._exact.clear()
             self.marks.clear()
             self._forget_saved()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -88,11 +88,12 @@ class StepCollector:
 
     def __init__(self, step: int):
         self.stats = Stats(step=step)
-        self.skipped: Counter = Counter()
+        # defaultdicts: a step's collector is made at its start, where a Counter took longer.
+        self.skipped: defaultdict[str, int] = defaultdict(int)
         self.kept_small = self.kept_unrelated = 0
         """Skipped as ``small`` and ``not_relu_family`` by the pack hook's first screen, which
-        adds to plain ints (cheaper than the Counter); ``finish`` adds them in."""
-        self.fallbacks: Counter = Counter()
+        adds to plain ints (cheaper than the dict); ``finish`` adds them in."""
+        self.fallbacks: defaultdict[str, int] = defaultdict(int)
         self.numel = 0
         self.nonzeros: dict[torch.device, torch.Tensor] = {}
         self.arenas: set = set()
