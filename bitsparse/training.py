@@ -89,8 +89,10 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
         self._steering: tuple | None = None
 
     def __enter__(self) -> "compressing":
-        _session.begin_step()
-        # The step just begun may have learned save sites that compiled graphs now leave out.
+        # The step begins at its first saved tensor, inside the forward, where the host is
+        # usually ahead of the GPU: at the entry, after a step synchronized (a loss printed),
+        # its work would keep the GPU waiting. The last step may have learned save sites
+        # that compiled graphs now leave out.
         if _session.excluded_sites() is not self._excluded:
             self._excluded = _session.excluded_sites()
             self.pack_hook, self.unpack_hook = hooks_for(_session, self.options, self._excluded)

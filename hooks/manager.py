@@ -425,7 +425,7 @@ class Session:
             arena.poll()
 
     def begin_step(self) -> None:
-        """Begin a new step now if the current one is over (``compressing()`` entry)."""
+        """Begin a new step now if the current one is over."""
         with self._lock:
             if self._step_over():
                 self._begin_step()

@@ -14,8 +14,7 @@ class Stats:
     """Accounting for one step: the one in progress, or the last finished one.
 
     A step is one forward pass and its backward: it begins at the first saved tensor after
-    a backward (or at the entry of ``compressing()``), so the forwards of gradient
-    accumulation before one backward form one step.
+    a backward, so the forwards of gradient accumulation before one backward form one step.
 
     Sizes are in bytes. ``dense_bytes`` is what the compressed tensors took dense and
     ``stored_bytes`` what they take now (masks, tile words and values; a fallback counts

@@ -1366,3 +1366,16 @@ def test_torch_func_transforms_refuse_saved_tensor_hooks():
         with pytest.raises(RuntimeError, match="saved tensor hooks"):
             torch.func.grad(f)(x)
     assert_bitwise_equal(torch.func.grad(f)(x), 2 * torch.relu(x))
+
+
+def test_a_step_begins_at_its_first_saved_tensor_not_at_a_blocks_entry():
+    """Entering ``compressing()`` leaves the last step as it is (its statistics stay
+    readable); the new step, and its host work, begins with the forward's first saved tensor."""
+    model, x = mlp(), mlp_input()
+    train_step(model, x, bitsparse.compressing(**OPTIONS))
+    step = bitsparse.stats().step
+    with bitsparse.compressing(**OPTIONS):
+        assert bitsparse.stats().step == step and bitsparse.stats().tensors_compressed == 2
+        out = model(x)
+        assert bitsparse.stats().step == step + 1
+    loss_of(out).backward()
