@@ -112,6 +112,8 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
 _checked_options: dict[tuple, Options] = {}
 """Options already checked, by their values and types: a training loop enters a block with
 the same options at every step, and checking them took a noticeable part of its entry."""
+MAX_CHECKED_OPTIONS = 256
+"""Option sets kept checked; forgotten all at once past this (options that change every step)."""
 
 
 def _options(*values) -> Options:
@@ -121,6 +123,8 @@ def _options(*values) -> Options:
     except TypeError:  # an unhashable value: Options says what is wrong with it
         return Options(*values)
     if options is None:
+        if len(_checked_options) >= MAX_CHECKED_OPTIONS:
+            _checked_options.clear()
         options = _checked_options[key] = Options(*values)
     return options
 

@@ -1136,6 +1136,18 @@ def _check_refused(options, error, message):
     assert not hooks_installed()
 
 
+def test_options_are_checked_again_for_an_equal_value_of_another_type():
+    """Checked options are kept, by value and type: 1 and True, equal to 1.0, are refused as a
+    capacity after 1.0 was accepted, and 1 as sign_pack after True."""
+    bitsparse.compressing(capacity=1.0)
+    bitsparse.compressing(sign_pack=True)
+    refused = [({"capacity": 1}, ValueError), ({"capacity": True}, ValueError), ({"sign_pack": 1}, TypeError)]
+    for options, error in refused:
+        with pytest.raises(error):
+            bitsparse.compressing(**options)
+    assert bitsparse.compressing(window=2).options is bitsparse.compressing(window=2).options
+
+
 def test_good_option_values():
     for options in [{"capacity": 1 << 20}, {"capacity": 0.01}, {"capacity": "auto"}, {"window": 1},
                     {"select": "all"}, {"backend": "torch"}, {"min_numel": 0}]:
