@@ -77,14 +77,24 @@ def test_compiled_mlp_compresses_its_relu_outputs_exactly():
 
 @pytest.mark.parametrize("variant", [0, 1, 2], ids=["relu_square", "square_of_relu", "inplace_relu_on_a_view_pow"])
 def test_compiled_relu_squared_block_saves_the_relu_and_recomputes_the_square(variant):
+    """Only the ReLU output is stored (the partitioner recomputes its square from it), by the
+    op that squares it (``fuse_relu_squares``): the forward reads the ReLU's input once, and
+    computes no ReLU of its own."""
+    import re
+
     torch.manual_seed(0)
     model = nn.Sequential(Block(32, variant, nn.LayerNorm))
-    stats, frames, _ = compiled_steps(model, sequence_input())
+    steps = []
+    codes = _generated_code(lambda: steps.append(compiled_steps(model, sequence_input())))
+    ((stats, frames, _),) = steps
     assert frames == 1
     for s in stats:
-        # Only the ReLU output is stored: the partitioner recomputes its square from it.
         assert (s.tensors_seen, s.tensors_compressed, s.fallbacks) == (1, 1, {}), str(s)
         assert s.dense_bytes == 4 * 16 * 128 * 4
+    (forward,) = [code for code in codes if "bitsparse" in code and "restore_into" not in code]
+    assert forward.count("torch.ops.bitsparse.store_relu_square.default(") == 1
+    assert "torch.ops.bitsparse.store.default(" not in forward
+    assert not re.search(r"(cpp|triton)_\w*relu", forward)
 
 
 def test_compiled_transformer_stack_whole_and_per_block():
@@ -363,20 +373,6 @@ def test_max_autotune_without_cuda_graphs():
         mlp(), mlp_input(), compile=lambda m, c: torch.compile(m, mode="max-autotune-no-cudagraphs")
     )
     assert [s.tensors_compressed for s in stats] == [2, 2, 2]
-
-
-@pytest.mark.parametrize("variant", [0, 1, 2], ids=["relu_square", "square_of_relu", "inplace_relu_on_a_view_pow"])
-def test_a_relu_output_the_forward_squares_is_stored_by_the_op_that_squares_it(variant):
-    """``fuse_relu_squares``: the forward reads the ReLU's input once, in one op that stores
-    its ReLU and writes the square, and computes no ReLU of its own."""
-    import re
-
-    compiled = torch.compile(nn.Sequential(Block(32, variant, nn.LayerNorm)))
-    with bitsparse.compressing(**OPTIONS):
-        forward = _generated_code(lambda: compiled(sequence_input()))[0]
-    assert forward.count("torch.ops.bitsparse.store_relu_square.default(") == 1
-    assert "torch.ops.bitsparse.store.default(" not in forward
-    assert not re.search(r"(cpp|triton)_\w*relu", forward)
 
 
 class ReLUSquared(nn.Module):
