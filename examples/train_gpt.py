@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import bitsparse
-from bitsparse.bench.distributed import init_from_torchrun
+from bitsparse.bench.distributed import init_from_torchrun, leaving_process_group
 from bitsparse.bench.models import GPT, GPTConfig
 from bitsparse.bench.training import deterministic_kernels
 
@@ -144,10 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.ddp:
         return train(args, torch.device(args.device))
     device = init_from_torchrun(torch.device(args.device).type)
-    try:
+    with leaving_process_group():
         return train(args, device)
-    finally:
-        dist.destroy_process_group()
 
 
 def train(args: argparse.Namespace, device: torch.device) -> dict:

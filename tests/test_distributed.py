@@ -29,7 +29,7 @@ from test_hooks import OPTIONS, loss_of, sequence_input, transformer
 from torch.distributed.tensor import DTensor
 
 import bitsparse
-from bitsparse.bench.distributed import DEFAULT_MODES
+from bitsparse.bench.distributed import DEFAULT_MODES, leaving_process_group
 
 fully_shard = pytest.importorskip("torch.distributed.fsdp").fully_shard
 
@@ -101,15 +101,13 @@ def train(wrapper: str, hooks: str | None, rank: int) -> dict:
 def run_rank(rank: int, store_path: str, out_dir: str) -> None:
     """One rank of the spawned group: every case, saved to ``out_dir/rank<rank>.pt``."""
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD_SIZE), rank=rank, world_size=WORLD_SIZE)
-    try:
+    with leaving_process_group():
         runs = {}
         for wrapper in WRAPPERS:
             runs[wrapper, None] = train(wrapper, None, rank)
             for hooks in HOOKS:
                 runs[wrapper, hooks] = train(wrapper, hooks, rank)
         torch.save(runs, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def spawn_ranks(tmp: Path) -> list[dict]:

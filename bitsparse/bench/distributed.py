@@ -18,6 +18,7 @@ process's shard, so "equal" holds on every GPU. Process 0 prints a table per pro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import torch
@@ -49,6 +50,24 @@ def init_from_torchrun(device_type: str) -> torch.device:
     return device
 
 
+@contextlib.contextmanager
+def leaving_process_group():
+    """Destroy the default process group when the block ends: after a barrier when it ends
+    normally, at once when it raises (the other processes may never reach a barrier).
+
+    The barrier is there because a process that exits while another still works in the group
+    (process 0 printing the tables, say) closes connections under that one's gloo threads, which
+    can abort it at its own exit ("terminate called without an active exception").
+    """
+    try:
+        yield
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def sharded_gpt(config: GPTConfig, tokens: int, zeros: float | None, device: torch.device):
     """``(model, loss_fn)``: a bfloat16 GPT sharded with FSDP2 (each block, then the root), with
     ``zeros`` of its MLP pre-activations shifted to zero (None: as initialised), and a loss on
@@ -78,10 +97,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         SystemExit: not started by torchrun.
     """
     device = init_from_torchrun("cuda" if torch.cuda.is_available() else "cpu")
-    try:
+    with leaving_process_group():
         return _compare(args, device)
-    finally:
-        dist.destroy_process_group()
 
 
 def _compare(args: argparse.Namespace, device: torch.device) -> list[dict]:
