@@ -13,10 +13,14 @@ encoder records where its values begin.
 The host learns how far the value cursor went asynchronously: each append on CUDA gets a
 *report slot* (``next_report``), a word of pinned host memory that its encoder sets to the
 end of the append plus one when it finishes; ``poll`` reads the slots, with no CUDA call and
-without blocking, and reports each append's end to its callback (given to ``submit``). At
-most ``window`` throttled appends stay unconfirmed: when one more arrives, the oldest is
-waited for. That wait only happens when the host runs more than ``window`` appends ahead of
-the GPU, so it throttles the host and costs the GPU nothing.
+without blocking, and reports each append's end to its callback (given to ``submit``).
+
+The host also knows how far the cursor can be at most: where the last report put it, plus
+what every unreported append can take at most (its dense size). An append within that bound
+is *sure* to fit, and its caller needs to hold nothing until it is confirmed. Of the others,
+at most ``window`` *throttled* appends stay unconfirmed: when one more arrives, the oldest is
+waited for. That wait only happens when the host runs more than ``window`` such appends
+ahead of the GPU, so it throttles the host and costs the GPU nothing.
 
 An append that did not fit (or that was only measured: see ``Codec.measure``) still moves
 the cursor, so the cursor's last position is what the step would have needed.
@@ -99,6 +103,9 @@ class Arena:
         fixed_fraction: share of an explicit capacity for the fixed region.
         window: most throttled appends whose end the host has not confirmed yet.
         growable: resize the regions between steps to fit the last step's demand.
+        asynchronous: whether appends report their ends through report slots for a later
+            ``poll`` (None: on CUDA, where reading the cursor would wait for the GPU; on the
+            CPU, a codec that writes the slots exercises the same path, for tests).
 
     Raises:
         ValueError: a negative capacity, a fraction outside (0, 1) or a window below 1.
@@ -112,6 +119,7 @@ class Arena:
         fixed_fraction: float = 0.25,
         window: int = 1,
         growable: bool = True,
+        asynchronous: bool | None = None,
     ):
         if not 0 < fixed_fraction < 1:
             raise ValueError(f"fixed_fraction must be between 0 and 1, got {fixed_fraction}")
@@ -132,10 +140,11 @@ class Arena:
         self._leases = 0
         self._start_slots: tuple = ()
         self.resize(capacity_bytes)
-        self._asynchronous = self.device.type == "cuda"
+        self._asynchronous = self.device.type == "cuda" if asynchronous is None else asynchronous
         self._report_slots: list[torch.Tensor] = []
         self._report_ends: list = []  # NumPy views of the slots, read without a CUDA call
         self._free_reports: list[int] = []
+        self._report_words: list[int] = []  # per slot: the most words its append can take
         self._pending: collections.deque = collections.deque()
         self._throttled = 0
         self._step = 0
@@ -227,40 +236,63 @@ class Arena:
     def on_append_stream(self) -> bool:
         """Whether the current stream may append now: the first append after the arena was
         emptied fixes the stream (encoders read and move the cursor in stream order)."""
-        if not self._asynchronous:
+        if self.device.type != "cuda":
             return True
         # The raw handle: building a torch.cuda.Stream object per append costs host time.
         stream = torch._C._cuda_getCurrentRawStream(self._device_index)
         if self._stream is None:
             self._stream = stream
+            self.stream = torch.cuda.current_stream(self.device)
         return stream == self._stream
+
+    def order_reads(self) -> None:
+        """Make what the appends wrote safe to read on the current stream: on the append
+        stream, stream order does it; on another (a decoder there), every outstanding append
+        is waited for."""
+        if self._pending and self._stream is not None:
+            if torch._C._cuda_getCurrentRawStream(self._device_index) != self._stream:
+                self.drain()
 
     # -- confirmation ---------------------------------------------------------------------
 
-    def next_report(self, throttled: bool = True) -> tuple[int, torch.Tensor] | tuple[None, None]:
-        """A report slot for the next append: its number, for ``submit``, and the word to pass
-        to the codec (``(None, None)`` off CUDA, where ``submit`` reads the cursor).
+    def next_report(self, max_words: int, hold: bool = True) -> tuple[int | None, torch.Tensor | None, bool]:
+        """A report slot for the next append, whose values take at most ``max_words`` words:
+        its number, for ``submit``, the word to pass to the codec, and whether the append is
+        sure to fit (``(None, None, False)`` off CUDA, where ``submit`` reads the cursor and
+        reports at once).
 
-        A throttled append (whose caller holds memory until it is confirmed) first waits for
-        the oldest unconfirmed one when ``window`` throttled appends are unconfirmed.
+        An append whose caller would hold memory until it is confirmed (``hold``) and that is
+        not sure to fit is throttled: while ``window`` throttled appends are unconfirmed, it
+        first waits for reports, oldest first, until one of them is confirmed or the reports
+        make it sure.
         """
         if not self._asynchronous:
-            return None, None
-        if throttled:
-            while self._throttled >= self.window:
-                self._window_waits += 1
-                self._deliver(wait=True)
+            return None, None, False
+        sure = self._sure_to_fit(max_words)
+        while hold and not sure and self._throttled >= self.window:
+            self._window_waits += 1
+            self._deliver(wait=True)
+            sure = self._sure_to_fit(max_words)
         if not self._free_reports:
             self._add_report_slots()
         slot = self._free_reports.pop()
         self._report_ends[slot][0] = 0
-        return slot, self._report_slots[slot]
+        self._report_words[slot] = max_words
+        self._unreported_words += max_words
+        return slot, self._report_slots[slot], sure
+
+    def _sure_to_fit(self, max_words: int) -> bool:
+        """Whether ``max_words`` more words fit however much the unreported appends take."""
+        last_step, last_end = self._last_report
+        reported = last_end if last_step == self._step else 0
+        return reported + self._unreported_words + max_words <= self.values_capacity_words
 
     def _add_report_slots(self) -> None:
-        ends = torch.zeros(REPORT_SLOTS, dtype=torch.int64, pin_memory=True)
+        ends = torch.zeros(REPORT_SLOTS, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         first = len(self._report_slots)
         self._report_slots.extend(ends.split(1))
         self._report_ends.extend(ends.numpy()[i : i + 1] for i in range(REPORT_SLOTS))
+        self._report_words.extend([0] * REPORT_SLOTS)
         self._free_reports.extend(range(first + REPORT_SLOTS - 1, first - 1, -1))
 
     def submit(self, slot: int | None, on_end: Callable[[int, int], None], throttled: bool = True) -> None:
@@ -293,6 +325,7 @@ class Arena:
         if wait:
             self._wait_for(slot)
         end = int(self._report_ends[slot][0]) - 1
+        self._unreported_words -= self._report_words[slot]
         self._free_reports.append(slot)
         self._record_end(end, callback, step)
 
@@ -302,7 +335,8 @@ class Arena:
         deadline = time.monotonic() + REPORT_TIMEOUT_S
         while not self._report_ends[slot][0]:
             if time.monotonic() > deadline:
-                torch.cuda.synchronize(self.device)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
                 if not self._report_ends[slot][0]:
                     raise RuntimeError(
                         "an append never reported its end: was it given this arena's report slot "
@@ -359,7 +393,10 @@ class Arena:
         self._starts_used = 0
         self._appends = 0
         self._window_waits = 0
+        self._unreported_words = 0
         self._stream = None
+        self.stream: torch.cuda.Stream | None = None
+        """The append stream, once fixed (CUDA)."""
 
     def usage(self) -> ArenaUsage:
         """What the arena holds, and what was asked of it since it was emptied (appends count

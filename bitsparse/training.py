@@ -55,7 +55,8 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
         min_numel: smaller tensors are kept as they are.
         select: "relu" (default) or "all".
         backend: "torch", "triton" or None (Triton on CUDA).
-        window: most compressed tensors the host has not yet seen fit.
+        window: most compressed tensors held dense until the host sees them fit (those
+            the arena is not sure of room for).
         recompute_squares: restore the square of a stored ReLU output from it.
 
     Raises:

@@ -106,7 +106,7 @@ class Site:
 
     __slots__ = (
         "name", "shape", "stride", "dtype", "device", "order", "stored_shape", "numel", "dense_bytes", "spec",
-        "fixed_words", "codec", "sign_pack", "relu_inputs", "values", "encode", "decode",
+        "fixed_words", "max_value_words", "codec", "sign_pack", "relu_inputs", "values", "encode", "decode",
     )  # fmt: skip
 
     def __init__(
@@ -121,6 +121,7 @@ class Site:
         self.dense_bytes = self.numel * t.element_size()
         self.spec = dtype_spec(t.dtype)
         self.fixed_words = geometry.fixed_nbytes(self.numel) // 4
+        self.max_value_words = geometry.max_stream_words(self.numel, self.spec.bits)
         self.codec, self.sign_pack = codec, sign_pack
         self.forget_buffer()
 
@@ -156,24 +157,35 @@ class StoredTensor(Handle):
 
     ``fixed`` and ``base`` are its masks and tile words and the word holding where its values
     start (None when it was kept dense), ``decode`` the codec that restores it, and ``lease``
-    the arena's claim on what it stores, released with the handle. Until the arena confirms
-    that the values fit, ``dense`` keeps the original tensor's storage (and serves unpacks);
-    if they did not fit, it keeps it for good (a fallback).
+    the arena's claim on what it stores, released with the handle. When ``held``, ``dense``
+    keeps the original tensor's storage (and serves unpacks) until the arena confirms that
+    the values fit, and for good if they did not (a fallback); a tensor sure to fit is not
+    held.
     """
 
     __slots__ = ("site", "fixed", "base", "decode", "dense", "lease")
 
-    def __init__(self, dense: torch.Tensor, site: Site, fixed=None, base=None, lease=None):
+    def __init__(self, dense: torch.Tensor, site: Site, fixed=None, base=None, lease=None, held: bool = True):
         super().__init__(dense.storage_offset())
         self.site, self.fixed, self.base, self.lease = site, fixed, base, lease
         self.decode = site.decode if fixed is not None else None
         # The storage, not the tensor: a saved tensor's grad_fn may be the node that saves
         # it, and holding it would make a reference cycle through autograd.
-        self.dense = dense.untyped_storage()
+        self.dense = dense.untyped_storage() if held else None
 
     def confirm(self, fits: bool) -> None:
+        """Take the arena's confirmation: the values fit (the dense storage can go), or not.
+
+        Raises:
+            RuntimeError: values the arena was sure of did not fit (a bug: they are lost).
+        """
         if fits:
             self.dense = None
+        elif self.dense is None:
+            raise RuntimeError(
+                "BitSparse: a tensor's values did not fit in the arena that was sure of them, and its dense copy "
+                "is gone. This is a bug in BitSparse; please report it."
+            )
 
     @property
     def is_compressed(self) -> bool:

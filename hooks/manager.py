@@ -233,7 +233,7 @@ class Session:
         tensor of a handle that kept it again)."""
         self._backward_seen = True
         with self._lock:
-            self._poll()
+            self._settle_for_reads()
             handle.restore_into(out)
 
     def unpack(self, packed) -> torch.Tensor:
@@ -244,7 +244,7 @@ class Session:
                 check_version(kept, version)
             return kept
         with self._lock:
-            self._poll()
+            self._settle_for_reads()
             return packed.unpack()
 
     # -- decisions --------------------------------------------------------------------------
@@ -299,9 +299,9 @@ class Session:
         measured, for the arena to grow for the next step; on another stream than the step's,
         it is kept.
 
-        The handle keeps ``t``'s storage while it may be needed: until the arena confirms the
-        values fit, or for good where they do not. A stored tensor's handle holds a lease on
-        the arena until autograd releases it.
+        The handle keeps ``t``'s storage while it may be needed: where the arena is not sure
+        that the values fit, until it confirms they do, or for good where they do not. A
+        stored tensor's handle holds a lease on the arena until autograd releases it.
         """
         collector = self._collector
         arena = self._arena(site.device, options)
@@ -313,7 +313,7 @@ class Session:
         if square is not None:
             square = site.in_memory_order(square)
         fixed = arena.reserve_fixed(site.fixed_words)
-        slot, report = arena.next_report(throttled=fixed is not None)
+        slot, report, sure = arena.next_report(site.max_value_words, hold=fixed is not None)
         if fixed is None:
             site.codec.measure(
                 x, arena.cursor, arena.appends, site.spec, self._geometry, site.sign_pack, report, square
@@ -324,13 +324,17 @@ class Session:
             site.prepare(arena.values, self._geometry, report is not None)
         base = arena.next_start()
         site.encode(x, fixed, base, collector.nonzeros_counter(arena.device), report, square)
-        handle = StoredTensor(t, site, fixed, base, _Lease(self, arena))
+        handle = StoredTensor(t, site, fixed, base, _Lease(self, arena), held=not sure)
+        if sure and arena.stream is not None:
+            # t's memory may return to the caching allocator before the encoder has read it:
+            # memory of another stream is then handed out only after the encoder.
+            t.record_stream(arena.stream)
         collector.leased = True
         stats = collector.stats
         stats.tensors_compressed += 1
         stats.dense_bytes += site.dense_bytes
         collector.numel += site.numel
-        arena.submit(slot, _confirmation(weakref.ref(handle), self, collector, site, arena))
+        arena.submit(slot, _confirmation(weakref.ref(handle), self, collector, site, arena), throttled=not sure)
         return handle
 
     def _kept_dense(self, t: torch.Tensor, site: Site, reason: str) -> StoredTensor:
@@ -423,6 +427,13 @@ class Session:
     def _poll(self) -> None:
         for arena in self._arenas.values():
             arena.poll()
+
+    def _settle_for_reads(self) -> None:
+        """Deliver the arenas' reports, and make what they hold safe to decode on the current
+        stream (a tensor sure to fit may be unpacked before its encoder ran)."""
+        for arena in self._arenas.values():
+            arena.poll()
+            arena.order_reads()
 
     def begin_step(self) -> None:
         """Begin a new step now if the current one is over."""

@@ -34,10 +34,10 @@ class Options:
             (producer, shape, dtype) whose tensors shrink by less than 20% is kept dense from
             then on.
         backend: codec backend, as for ``compress`` (None: Triton on CUDA, torch elsewhere).
-        window: most compressed tensors whose fit the host has not confirmed yet. Each one
-            keeps its dense tensor until confirmed, so a GPU-bound step, where the host runs
-            ahead, holds ``window`` dense tensors at its peak; a larger window only helps a
-            host that runs ahead in bursts.
+        window: most compressed tensors that the arena is not sure of room for and whose fit
+            the host has not confirmed yet. Each one keeps its dense tensor until confirmed,
+            so a GPU-bound step with a nearly full arena holds ``window`` dense tensors; a
+            larger window only helps a host that runs ahead in bursts.
         recompute_squares: restore ``relu(x) ** 2`` from the stored ``relu(x)``, with the op
             the forward used, rather than storing it too.
 

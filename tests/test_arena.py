@@ -29,7 +29,9 @@ COUNTER_BYTES = 3 * 8
 
 def relu_like(numel: int, zero_fraction: float, *seed) -> torch.Tensor:
     """A float32 tensor of ``numel`` elements, exactly ``zero_fraction`` of them +0.0, none negative."""
-    return make_input(numel, torch.float32, zero_fraction, generator("arena", numel, zero_fraction, *seed), specials=False)
+    return make_input(
+        numel, torch.float32, zero_fraction, generator("arena", numel, zero_fraction, *seed), specials=False
+    )
 
 
 def fixed_words(numel: int) -> int:
@@ -46,8 +48,8 @@ class Store:
 
     def __call__(self, x: torch.Tensor):
         fixed = self.arena.reserve_fixed(fixed_words(x.numel()))
-        slot, report = self.arena.next_report()
-        assert slot is None and report is None, "on the CPU, submit reads the cursor itself"
+        slot, report, sure = self.arena.next_report(GEOMETRY.max_stream_words(x.numel(), 32))
+        assert (slot, report, sure) == (None, None, False), "on the CPU, submit reads the cursor itself"
         if fixed is None:
             torch_codec.measure(x, self.arena.cursor, self.arena.appends, dtype_spec(x.dtype), GEOMETRY, False)
             c = None
@@ -192,7 +194,9 @@ def test_start_words_are_distinct_within_a_step_and_grow_for_the_next():
 def test_submit_reports_at_once_and_reports_chain():
     arena = Arena("cpu", 1 << 16)
     store = Store(arena)
-    tensors = [relu_like(n, z, i) for i, (n, z) in enumerate([(5000, 0.5), (4096, 0.9), (300, 0.0), (8192, 1.0), (7000, 0.7)])]
+    tensors = [
+        relu_like(n, z, i) for i, (n, z) in enumerate([(5000, 0.5), (4096, 0.9), (300, 0.0), (8192, 1.0), (7000, 0.7)])
+    ]
     compressed = [store(x) for x in tensors]
     assert store.reports[0][0] == 0
     for (start, end), (next_start, _) in zip(store.reports, store.reports[1:]):
@@ -261,9 +265,14 @@ def test_usage_fields_and_peak():
     arena = Arena("cpu", 1 << 16)
     fresh = arena.usage()
     assert isinstance(fresh, ArenaUsage)
-    assert (fresh.capacity, fresh.fixed_used, fresh.fixed_demand, fresh.values_demand, fresh.window_waits, fresh.peak) == (
-        1 << 16, 0, 0, 0, 0, 0
-    )
+    assert (
+        fresh.capacity,
+        fresh.fixed_used,
+        fresh.fixed_demand,
+        fresh.values_demand,
+        fresh.window_waits,
+        fresh.peak,
+    ) == (1 << 16, 0, 0, 0, 0, 0)
     assert fresh.reserved == arena.reserved_bytes
     assert fresh.values_capacity == arena.values.capacity * WORD_BYTES
     store = Store(arena)
@@ -445,29 +454,106 @@ def test_resize_refused_while_leased():
 
 
 # --------------------------------------------------------------------------------------------
+# Reports through slots (pinned memory on CUDA; on the CPU with ``asynchronous=True``)
+
+
+class Device:
+    """Plays the GPU for an asynchronous CPU arena: runs appends when told, moving the cursor
+    by the words each takes and setting its report word as an encoder does."""
+
+    def __init__(self, arena: Arena):
+        self.arena = arena
+        self.queued: list[tuple[torch.Tensor, int]] = []
+        self.reports: list[tuple[int, int]] = []
+
+    def append(self, max_words: int, words: int, hold: bool = True) -> bool:
+        """Queue an append that takes ``words`` (at most ``max_words``); whether it is sure to fit."""
+        slot, report, sure = self.arena.next_report(max_words, hold=hold)
+        self.queued.append((report, words))
+        self.arena.submit(slot, lambda start, end: self.reports.append((start, end)), throttled=hold and not sure)
+        return sure
+
+    def run(self, appends: int) -> None:
+        """Finish the oldest ``appends`` queued appends."""
+        for report, words in self.queued[:appends]:
+            self.arena.cursor += words
+            report.copy_(self.arena.cursor + 1)
+        del self.queued[:appends]
+
+
+def test_sure_appends_are_not_throttled_and_reports_make_others_sure():
+    arena = Arena("cpu", 4 * 4096, fixed_fraction=0.25, window=1, asynchronous=True)  # 3071 value words
+    device = Device(arena)
+    # Nothing reported yet: the cursor may be anywhere up to the appends' sizes at most.
+    assert [device.append(1000, 400) for _ in range(3)] == [True, True, True]  # 3000 <= 3071
+    assert not device.append(1000, 400)  # 4000 > 3071: throttled, the first one
+    assert arena._throttled == 1 and arena.usage().window_waits == 0
+    device.run(4)  # the GPU caught up; nothing polled the reports yet
+    # The next waits for reports, oldest first, until the one throttled append is confirmed;
+    # then the cursor is known to be at 1600, and 1600 + 1000 <= 3071.
+    assert device.append(1000, 400)
+    assert arena.usage().window_waits == 4 and arena._throttled == 0
+    assert device.reports == [(0, 400), (400, 800), (800, 1200), (1200, 1600)]
+    # A measured append (nothing held) is never throttled, but it moves the cursor too.
+    assert not device.append(5000, 5000, hold=False)
+    assert arena._throttled == 0
+    device.run(2)
+    arena.drain()
+    assert device.reports[-2:] == [(1600, 2000), (2000, 7000)]
+    assert not device.append(1, 1)  # past the end: nothing is sure
+
+
+def test_a_wait_stops_once_the_reports_make_the_append_sure():
+    arena = Arena("cpu", 4 * 4096, fixed_fraction=0.25, window=1, asynchronous=True)  # 3071 value words
+    device = Device(arena)
+    assert device.append(2000, 100) and device.append(500, 100)
+    assert not device.append(1000, 100)  # 3500 > 3071: throttled
+    device.run(1)
+    # 4000 words at most: it waits, and the first report (100 words, not 2000) makes it sure
+    # while the throttled append is still running: the wait stops there.
+    assert device.append(500, 100)
+    assert arena.usage().window_waits == 1 and arena._throttled == 1
+    device.run(3)
+    arena.drain()
+    assert device.reports == [(0, 100), (100, 200), (200, 300), (300, 400)]
+
+
+# --------------------------------------------------------------------------------------------
 # CUDA: reports through pinned memory
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+        ),
+    ],
+)
 @pytest.mark.parametrize("window", [1, 3])
-def test_cuda_reports_arrive_through_report_slots(window):
-    from bitsparse.codecs import triton_codec
-
-    arena = Arena("cuda", 64 << 20, window=window)
-    reports, compressed = [], []
-    tensors = [relu_like(n, 0.5, n).cuda() for n in (4096, 100_000, 1, 300_000, 4096 * 7)]
+def test_reports_arrive_through_report_slots(device, window):
+    codec = torch_codec
+    if device == "cuda":
+        from bitsparse.codecs import triton_codec as codec
+    # Room for about two of the tensors at most: the others are not sure to fit, and throttled.
+    arena = Arena(device, 4 * 600_000, window=window, asynchronous=True)
+    reports, compressed, sure_appends = [], [], []
+    tensors = [relu_like(n, 0.5, n).to(device) for n in (4096, 100_000, 1, 300_000, 4096 * 7, 200_000)]
     for i, x in enumerate(tensors):
         fixed = arena.reserve_fixed(fixed_words(x.numel()))
         measured = i == 2  # one measured append in between: not throttled, reported all the same
-        slot, report = arena.next_report(throttled=not measured)
+        slot, report, sure = arena.next_report(GEOMETRY.max_stream_words(x.numel(), 32), hold=not measured)
+        sure_appends.append(sure)
         if measured:
-            triton_codec.measure(x, arena.cursor, arena.appends, dtype_spec(x.dtype), GEOMETRY, False, report)
+            codec.measure(x, arena.cursor, arena.appends, dtype_spec(x.dtype), GEOMETRY, False, report)
             compressed.append(None)
         else:
-            compressed.append(compress_into(x, triton_codec, GEOMETRY, arena.values, fixed, False, None, report))
-        arena.submit(slot, lambda start, end: reports.append((start, end)), throttled=not measured)
+            compressed.append(compress_into(x, codec, GEOMETRY, arena.values, fixed, False, None, report))
+        arena.submit(slot, lambda start, end: reports.append((start, end)), throttled=not (measured or sure))
         assert arena._throttled <= window  # older appends were waited for
+    assert sure_appends[:2] == [True, True] and not all(sure_appends)
     arena.drain()
     ends = [end for _, end in reports]
     assert [start for start, _ in reports] == [0] + ends[:-1]

@@ -119,6 +119,23 @@ def test_tensor_saved_on_another_stream_is_kept_dense():
     assert torch.equal(w.grad, reference)
 
 
+def test_a_tensor_sure_to_fit_decoded_on_another_stream_waits_for_its_encoder():
+    torch.manual_seed(0)
+    lin1, lin2 = torch.nn.Linear(1024, 4096).cuda(), torch.nn.Linear(4096, 8).cuda()
+    x = torch.randn(4096, 1024, device="cuda")
+    expected = torch.relu(lin1(x))
+    torch.cuda.synchronize()
+    with bitsparse.compressing(capacity=256 << 20):  # sure of room for the 16M-element output
+        torch.cuda._sleep(200_000_000)  # about 0.1 s: the encoder runs long after the host queued it
+        y = lin2(torch.relu(lin1(x)))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        restored = y.grad_fn._saved_mat1  # unpacked on the side stream, its decoder queued there
+    torch.cuda.synchronize()
+    assert bitsparse.stats().tensors_compressed == 1
+    assert torch.equal(restored, expected)
+
+
 def step_without_host_synchronization(loss_fn) -> None:
     """One training step under ``compressing()`` in which any synchronizing call raises."""
     torch.cuda.synchronize()

@@ -9,6 +9,7 @@ really happened, so that a test cannot pass by compressing nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import threading
 import weakref
@@ -22,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 import bitsparse
 from bitsparse import Options, Stats
+from bitsparse.allocator import Arena
 from bitsparse.codecs import get_codec, torch_codec
 from bitsparse.format import TileGeometry, compressed_nbytes, dtype_spec
 from bitsparse.hooks import handles, manager
@@ -943,6 +945,73 @@ def test_dense_storage_kept_without_compressing():
     gc.collect()
     assert storage() is not None
     del y
+
+
+# --------------------------------------------------------------------------------------------
+# Reports through slots: the arenas' CUDA path, on the CPU (the torch codec writes the slots)
+
+
+@pytest.fixture
+def reporting_arenas(monkeypatch):
+    monkeypatch.setattr(manager, "Arena", functools.partial(Arena, asynchronous=True))
+
+
+def test_reported_appends_are_exact(reporting_arenas):
+    for s in check_exact(transformer(), sequence_input(), steps=2, autocast=True):
+        check_consistent(s)
+        assert s.tensors_compressed > 0 and s.window_waits == 0  # everything was sure to fit
+    check_exact(convnet(), image_input(), steps=2)
+    stats = check_exact(mlp(), mlp_input(), steps=3, capacity=4096)  # too small: held, waited for, fallen back
+    assert stats[0].fallbacks.get("arena_full", 0) > 0 and stats[-1].fallbacks == {}
+
+
+def relu_of_linear(capacity: int):
+    """A ReLU output of 131072 float32 elements (about half zeros) stored under
+    ``compressing(capacity=capacity)``: its storage, weakly, and the graph's output."""
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(64, 1024), nn.Linear(1024, 8)
+    x = torch.randn(128, 64, requires_grad=True)
+    with bitsparse.compressing(min_numel=MIN_NUMEL, capacity=capacity):
+        h = torch.relu(lin1(x))
+        storage = weakref.ref(h.untyped_storage())
+        y = lin2(h)  # saves h again: found stored, and the first report is read
+        del h
+    return storage, y
+
+
+def test_a_tensor_sure_to_fit_is_not_held_until_its_report(reporting_arenas, monkeypatch):
+    monkeypatch.setattr(Arena, "poll", lambda self: None)  # no report is read
+    storage, y = relu_of_linear(capacity=ARENA)  # 196608 value words: sure of 131072
+    gc.collect()
+    assert storage() is None, "the dense ReLU output is still alive"
+    del y
+
+
+def test_a_tensor_not_sure_to_fit_is_held_until_its_report(reporting_arenas, monkeypatch):
+    # 89999 value words: not sure of 131072, room for the about 65536 it takes.
+    poll = Arena.poll
+    monkeypatch.setattr(Arena, "poll", lambda self: None)
+    storage, y = relu_of_linear(capacity=480_000)
+    gc.collect()
+    assert storage() is not None
+    monkeypatch.setattr(Arena, "poll", poll)
+    s = bitsparse.stats()  # reads the report: it fits
+    assert s.tensors_compressed == 1 and s.fallbacks == {}
+    gc.collect()
+    assert storage() is None
+    del y
+
+
+def test_values_that_were_sure_to_fit_and_did_not_raise():
+    torch.manual_seed(0)
+    t = torch.relu(torch.randn(4096))
+    site = handles.Site("relu", t, torch_codec, False, TileGeometry())
+    handle = handles.StoredTensor(t, site, held=False)
+    with pytest.raises(RuntimeError, match="did not fit in the arena that was sure of them"):
+        handle.confirm(False)
+    held = handles.StoredTensor(t, site)
+    held.confirm(False)  # a fallback: the dense copy stays
+    assert_bitwise_equal(held.tensor(), t)
 
 
 # --------------------------------------------------------------------------------------------
