@@ -85,21 +85,24 @@ class Session:
 
     def pack_hook(self, options: Options, other):
         """The pack hook of ``options``: ``hook(t)`` returns what autograd saves for ``t``,
-        ``other(t)`` for a tensor of another class than ``torch.Tensor`` or a view.
+        ``other(t)`` for a tensor of another class than ``torch.Tensor`` (which tracing
+        hands over).
 
         It runs for every saved tensor (about 400 per GPT forward, between the model's ops,
         where the host often bounds the step), and most are kept as they are. So it first
         screens plain tensors that are not views for the two commonest reasons, small or made
         by an op the rule never selects, with the options' values bound here, without the lock
-        (its counters are only this step's statistics), and hands every other tensor to
-        ``other`` (which calls ``pack`` for eager tensors).
+        (its counters are only this step's statistics), and hands every other plain tensor
+        to ``pack``.
         """
         min_numel = options.min_numel
         unrelated = UNRELATED_NODES if options.select == "relu" else frozenset()
-        marks, plain = self.marks, torch.Tensor
+        marks, plain, pack = self.marks, torch.Tensor, self.pack
 
         def hook(t: torch.Tensor):
-            if t.__class__ is plain and t._base is None:
+            if t.__class__ is not plain:
+                return other(t)
+            if t._base is None:
                 node = t.grad_fn
                 numel = t.numel()
                 small = numel < min_numel or not numel
@@ -112,7 +115,7 @@ class Session:
                         self._collector.kept_unrelated += 1
                     # Detached for the reason given in pack.
                     return (t if node is None else t.detach()), t._version
-            return other(t)
+            return pack(options, t)
 
         return hook
 
