@@ -16,7 +16,7 @@ end of the append plus one when it finishes; ``poll`` reads the slots, with no C
 without blocking, and reports each append's end to its callback (given to ``submit``).
 
 The host also knows how far the cursor can be at most: where the last report put it, plus
-what every unreported append can take at most (its dense size). An append within that bound
+the most that every unreported append can take (its caller says how much, from the shape). An append within that bound
 is *sure* to fit, and its caller needs to hold nothing until it is confirmed. Of the others,
 at most ``window`` *throttled* appends stay unconfirmed: when one more arrives, the oldest is
 waited for. That wait only happens when the host runs more than ``window`` such appends
@@ -177,11 +177,11 @@ class Arena:
         self.values = self._buffer = self._planned = None
         self._fixed_views: dict[tuple[int, int], torch.Tensor] = {}
         self._fixed_start = 0
-        self._fixed_capacity = 0  # read by every reservation: an int, not a property
+        self._fixed_capacity = self._values_capacity = 0  # read at every append: ints, not properties
         if fixed_words == 0:
             return
         self._buffer = torch.empty(value_words + 1 + fixed_words, dtype=torch.int32, device=self.device)
-        self._fixed_capacity = fixed_words
+        self._fixed_capacity, self._values_capacity = fixed_words, value_words
         self.values = ValueBuffer.over(self._buffer[: value_words + 1], self._counters)
         self._fixed_start = value_words + 1
 
@@ -196,7 +196,7 @@ class Arena:
     @property
     def values_capacity_words(self) -> int:
         """Usable words of the value region (its guard excluded)."""
-        return 0 if self.values is None else self.values.capacity
+        return self._values_capacity
 
     @property
     def fixed_capacity_words(self) -> int:
@@ -285,7 +285,7 @@ class Arena:
         """Whether ``max_words`` more words fit however much the unreported appends take."""
         last_step, last_end = self._last_report
         reported = last_end if last_step == self._step else 0
-        return reported + self._unreported_words + max_words <= self.values_capacity_words
+        return reported + self._unreported_words + max_words <= self._values_capacity
 
     def _add_report_slots(self) -> None:
         ends = torch.zeros(REPORT_SLOTS, dtype=torch.int64, pin_memory=self.device.type == "cuda")

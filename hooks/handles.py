@@ -107,6 +107,7 @@ class Site:
     __slots__ = (
         "name", "shape", "stride", "dtype", "device", "order", "stored_shape", "numel", "dense_bytes", "spec",
         "fixed_words", "max_value_words", "codec", "sign_pack", "relu_inputs", "values", "encode", "decode",
+        "unprofitable",
     )  # fmt: skip
 
     def __init__(
@@ -123,6 +124,8 @@ class Site:
         self.fixed_words = geometry.fixed_nbytes(self.numel) // 4
         self.max_value_words = geometry.max_stream_words(self.numel, self.spec.bits)
         self.codec, self.sign_pack = codec, sign_pack
+        self.unprofitable = False
+        """Whether the session learned that tensors of this name do not pay (it sets this)."""
         self.forget_buffer()
 
     def prepare(self, values: ValueBuffer, geometry: TileGeometry, report: bool) -> None:
@@ -189,7 +192,7 @@ class StoredTensor(Handle):
 
     @property
     def is_compressed(self) -> bool:
-        """Whether the tensor is held compressed (it fit), not dense."""
+        """Whether the tensor is held compressed (it fit, or is sure to), not dense."""
         return self.dense is None
 
     def _restore(self) -> torch.Tensor:

@@ -177,7 +177,7 @@ class Session:
                 slot.slots += 1
                 return slot
             site = self._site(options, t, node, options.sign_pack and provenance is not None)
-            if site.name in self._unprofitable or site.order is None:
+            if site.unprofitable or site.order is None:
                 reason = "unprofitable_site" if site.order is not None else "overlapping_or_gapped"
                 collector.skipped[reason] += 1
                 return (t if node is None else t.detach()), t._version
@@ -220,7 +220,7 @@ class Session:
                 self._begin_step()
             collector = self._collector
             site = self._site(options, t, name, options.sign_pack, relu_inputs=square is not None)
-            if site.name in self._unprofitable or site.order is None:
+            if site.unprofitable or site.order is None:
                 collector.skipped["unprofitable_site" if site.order is not None else "overlapping_or_gapped"] += 1
                 self._square_alone(site, t, square)
                 return StoredTensor(t, site)
@@ -273,6 +273,7 @@ class Session:
             )
             codec = get_codec(options.backend, t.device)
             site = self._sites[key] = Site(name, t, codec, sign_pack, self._geometry, relu_inputs)
+            site.unprofitable = name in self._unprofitable
         return site
 
     # -- storing ----------------------------------------------------------------------------
@@ -460,15 +461,26 @@ class Session:
         # An arena that no tensor of the step reached (a forward that saved nothing it would
         # store, or steps of several threads interleaved) keeps its size.
         demand = dict.fromkeys(self._arenas.values(), (None, None))
+        by_name: dict = {}  # several Site objects may share a name (strides, options)
         for site, (arena, dense_bytes, fixed_words, value_words) in self._collector.sites.items():
+            totals = by_name.setdefault(site.name, [arena, 0, 0, 0])
+            totals[1] += dense_bytes
+            totals[2] += fixed_words
+            totals[3] += value_words
+        learned = False
+        for name, (arena, dense_bytes, fixed_words, value_words) in by_name.items():
             if demand[arena][0] is None:
                 demand[arena] = (0, 0)
             if dense_bytes < PROFITABLE_RATIO * 4 * (fixed_words + value_words):
-                self._unprofitable.add(site)
-                if isinstance(site, str):
-                    self._excluded |= {site}
+                self._unprofitable.add(name)
+                learned = True
+                if isinstance(name, str):
+                    self._excluded |= {name}
             else:
                 demand[arena] = (demand[arena][0] + fixed_words, demand[arena][1] + value_words)
+        if learned:
+            for site in self._sites.values():
+                site.unprofitable = site.name in self._unprofitable
         self._stale_arenas = False
         for arena, (fixed_words, value_words) in demand.items():
             values = arena.values
@@ -560,7 +572,7 @@ def _confirmation(handle_ref, session: Session, collector: StepCollector, site: 
     def confirm(start: int, end: int) -> None:
         fits = end <= arena.values_capacity_words
         collector.stats.stored_bytes += 4 * (site.fixed_words + end - start) if fits else site.dense_bytes
-        collector.add_site(site.name, arena, site.dense_bytes, site.fixed_words, end - start)
+        collector.add_site(site, arena, end - start)
         if not fits:
             collector.fallbacks["arena_full"] += 1
             session._warn_if_stale()
@@ -575,7 +587,7 @@ def _measured(collector: StepCollector, site: Site, arena):
     """The callback an arena calls with where a measured tensor's values would have gone."""
 
     def record(start: int, end: int) -> None:
-        collector.add_site(site.name, arena, site.dense_bytes, site.fixed_words, end - start)
+        collector.add_site(site, arena, end - start)
 
     return record
 

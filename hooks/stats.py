@@ -81,8 +81,9 @@ class Stats:
 class StepCollector:
     """Counters of one step, filled in by packs and by the arenas' asynchronous reports.
 
-    ``sites`` sums, per save site, the bytes its tensors take dense and the arena words they
-    take or would take (measured ones included): what pays, and what the next step needs.
+    ``sites`` sums, per save site (a ``Site``: keyed by the object, whose hash costs less than
+    its name's), the bytes its tensors take dense and the arena words they take or would take
+    (measured ones included): what pays, and what the next step needs.
     """
 
     def __init__(self, step: int):
@@ -98,7 +99,7 @@ class StepCollector:
         self.arenas: set = set()
         self.leased = False
         """Whether a tensor of this step was stored in an arena (not only measured)."""
-        self.sites: dict[tuple, list[int]] = {}
+        self.sites: dict[object, list] = {}
 
     def nonzeros_counter(self, device: torch.device) -> torch.Tensor:
         """The device counter the encoders of this step add their stored elements to."""
@@ -107,15 +108,15 @@ class StepCollector:
             counter = self.nonzeros[device] = torch.zeros(1, dtype=torch.int64, device=device)
         return counter
 
-    def add_site(self, site: tuple, arena, dense_bytes: int, fixed_words: int, value_words: int) -> None:
-        """Count a tensor of ``site`` that took ``dense_bytes`` dense and takes (or would take)
-        ``fixed_words`` and ``value_words`` of ``arena``."""
+    def add_site(self, site, arena, value_words: int) -> None:
+        """Count a tensor of ``site`` (a ``hooks.handles.Site``) that takes (or would take)
+        ``value_words`` of ``arena`` besides its fixed words."""
         totals = self.sites.get(site)
         if totals is None:
-            self.sites[site] = [arena, dense_bytes, fixed_words, value_words]
+            self.sites[site] = [arena, site.dense_bytes, site.fixed_words, value_words]
         else:
-            totals[1] += dense_bytes
-            totals[2] += fixed_words
+            totals[1] += site.dense_bytes
+            totals[2] += site.fixed_words
             totals[3] += value_words
 
     def finish(self, tensors_alive: int, arena_reserved: int) -> Stats:
