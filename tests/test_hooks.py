@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import inspect
 import threading
 import weakref
 
@@ -1000,6 +1001,66 @@ def test_a_tensor_not_sure_to_fit_is_held_until_its_report(reporting_arenas, mon
     gc.collect()
     assert storage() is None
     del y
+
+
+class LaggingDevice:
+    """Plays a GPU that runs behind the host for arenas that report through slots on the CPU:
+    the torch codec's report words (appends' ends) are written ``lag`` appends late, or when
+    an arena waits for one (the GPU catches up)."""
+
+    def __init__(self, monkeypatch, lag: int):
+        self.lag, self.queued = lag, []
+        self.waits = 0
+        for name in ("encode", "measure"):
+            monkeypatch.setattr(torch_codec, name, self._reporting_late(getattr(torch_codec, name)))
+        wait_for = Arena._wait_for
+
+        def caught_up(arena, slot):
+            self.waits += 1
+            self.run(len(self.queued))
+            wait_for(arena, slot)
+
+        monkeypatch.setattr(Arena, "_wait_for", caught_up)
+
+    def _reporting_late(self, append):
+        signature = inspect.signature(append)
+
+        def append_late(*args, **kwargs):
+            call = signature.bind(*args, **kwargs)
+            report = call.arguments.pop("report", None)
+            append(*call.args, **call.kwargs)
+            if report is not None:
+                self.queued.append((report, int(call.arguments["cursor"]) + 1))
+                self.run(len(self.queued) - self.lag)
+
+        return append_late
+
+    def run(self, appends: int) -> None:
+        for report, value in self.queued[: max(appends, 0)]:
+            report.fill_(value)
+        del self.queued[: max(appends, 0)]
+
+
+@pytest.mark.parametrize("lag", [1, 3])
+def test_reports_that_lag_behind_the_host(reporting_arenas, monkeypatch, lag):
+    device = LaggingDevice(monkeypatch, lag)
+    out_at_unpack = []
+    unpack = handles.Handle.unpack
+
+    def counting_unpack(handle):
+        out_at_unpack.append(len(device.queued))
+        return unpack(handle)
+
+    monkeypatch.setattr(handles.Handle, "unpack", counting_unpack)
+    for s in check_exact(transformer(), sequence_input(), steps=3, autocast=True):
+        check_consistent(s)
+        assert s.fallbacks == {} and s.tensors_compressed > 0
+    assert max(out_at_unpack) == lag, "backward unpacked tensors whose reports were still out"
+    # Values that can never be sure (4096-word tensors, 1535 value words): each stored tensor
+    # is held, the second waits for the first, and both fall back, exactly.
+    (s,) = check_exact(mlp(hidden=64), mlp_input(), steps=1, capacity=8192)
+    assert s.tensors_compressed == 2 and s.fallbacks == {"arena_full": 2}
+    assert s.window_waits == 1 and device.waits > 0
 
 
 def test_values_that_were_sure_to_fit_and_did_not_raise():
