@@ -126,6 +126,7 @@ class Arena:
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
         self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"  # read at every append: a bool, not the device's str
         self.window = window
         self.growable = growable
         self.fixed_fraction = fixed_fraction
@@ -140,7 +141,7 @@ class Arena:
         self._leases = 0
         self._start_slots: tuple = ()
         self.resize(capacity_bytes)
-        self._asynchronous = self.device.type == "cuda" if asynchronous is None else asynchronous
+        self._asynchronous = self._cuda if asynchronous is None else asynchronous
         self._report_slots: list[torch.Tensor] = []
         self._report_ends: list = []  # NumPy views of the slots, read without a CUDA call
         self._free_reports: list[int] = []
@@ -236,7 +237,7 @@ class Arena:
     def on_append_stream(self) -> bool:
         """Whether the current stream may append now: the first append after the arena was
         emptied fixes the stream (encoders read and move the cursor in stream order)."""
-        if self.device.type != "cuda":
+        if not self._cuda:
             return True
         # The raw handle: building a torch.cuda.Stream object per append costs host time.
         stream = torch._C._cuda_getCurrentRawStream(self._device_index)
@@ -288,7 +289,7 @@ class Arena:
         return reported + self._unreported_words + max_words <= self._values_capacity
 
     def _add_report_slots(self) -> None:
-        ends = torch.zeros(REPORT_SLOTS, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        ends = torch.zeros(REPORT_SLOTS, dtype=torch.int64, pin_memory=self._cuda)
         first = len(self._report_slots)
         self._report_slots.extend(ends.split(1))
         self._report_ends.extend(ends.numpy()[i : i + 1] for i in range(REPORT_SLOTS))
@@ -335,7 +336,7 @@ class Arena:
         deadline = time.monotonic() + REPORT_TIMEOUT_S
         while not self._report_ends[slot][0]:
             if time.monotonic() > deadline:
-                if self.device.type == "cuda":
+                if self._cuda:
                     torch.cuda.synchronize(self.device)
                 if not self._report_ends[slot][0]:
                     raise RuntimeError(
