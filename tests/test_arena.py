@@ -1,8 +1,10 @@
 """The arena allocator on the CPU: fixed reservations, value appends, reports, leases, resizing.
 
-On the CPU ``submit`` reports at once (there is nothing asynchronous to wait for). Value
-demand is driven by really compressing (or measuring) tensors into the arena with the torch
-codec.
+On the CPU ``submit`` reports at once (there is nothing asynchronous to wait for), except in
+an arena made ``asynchronous``, which reports through slots as on CUDA: the last tests drive
+that path with a simulated device and with the torch codec (and with the Triton codec on
+CUDA). Value demand is driven by really compressing (or measuring) tensors into the arena
+with the torch codec.
 """
 
 from __future__ import annotations
@@ -457,7 +459,7 @@ def test_resize_refused_while_leased():
 # Reports through slots (pinned memory on CUDA; on the CPU with ``asynchronous=True``)
 
 
-class Device:
+class SimulatedDevice:
     """Plays the GPU for an asynchronous CPU arena: runs appends when told, moving the cursor
     by the words each takes and setting its report word as an encoder does."""
 
@@ -483,7 +485,7 @@ class Device:
 
 def test_sure_appends_are_not_throttled_and_reports_make_others_sure():
     arena = Arena("cpu", 4 * 4096, fixed_fraction=0.25, window=1, asynchronous=True)  # 3071 value words
-    device = Device(arena)
+    device = SimulatedDevice(arena)
     # Nothing reported yet: the cursor may be anywhere up to the appends' sizes at most.
     assert [device.append(1000, 400) for _ in range(3)] == [True, True, True]  # 3000 <= 3071
     assert not device.append(1000, 400)  # 4000 > 3071: throttled, the first one
@@ -505,7 +507,7 @@ def test_sure_appends_are_not_throttled_and_reports_make_others_sure():
 
 def test_a_wait_stops_once_the_reports_make_the_append_sure():
     arena = Arena("cpu", 4 * 4096, fixed_fraction=0.25, window=1, asynchronous=True)  # 3071 value words
-    device = Device(arena)
+    device = SimulatedDevice(arena)
     assert device.append(2000, 100) and device.append(500, 100)
     assert not device.append(1000, 100)  # 3500 > 3071: throttled
     device.run(1)
@@ -516,10 +518,6 @@ def test_a_wait_stops_once_the_reports_make_the_append_sure():
     device.run(3)
     arena.drain()
     assert device.reports == [(0, 100), (100, 200), (200, 300), (300, 400)]
-
-
-# --------------------------------------------------------------------------------------------
-# CUDA: reports through pinned memory
 
 
 @pytest.mark.parametrize(
