@@ -145,7 +145,8 @@ class Arena:
         self._report_slots: list[torch.Tensor] = []
         self._report_ends: list = []  # NumPy views of the slots, read without a CUDA call
         self._free_reports: list[int] = []
-        self._report_words: list[int] = []  # per slot: the most words its append can take
+        # Per slot: the most words its append can take, and whether next_report throttled it.
+        self._claims: list[tuple[int, bool]] = []
         self._pending: collections.deque = collections.deque()
         self._throttled = 0
         self._step = 0
@@ -278,7 +279,7 @@ class Arena:
             self._add_report_slots()
         slot = self._free_reports.pop()
         self._report_ends[slot][0] = 0
-        self._report_words[slot] = max_words
+        self._claims[slot] = (max_words, hold and not sure)
         self._unreported_words += max_words
         return slot, self._report_slots[slot], sure
 
@@ -293,22 +294,23 @@ class Arena:
         first = len(self._report_slots)
         self._report_slots.extend(ends.split(1))
         self._report_ends.extend(ends.numpy()[i : i + 1] for i in range(REPORT_SLOTS))
-        self._report_words.extend([0] * REPORT_SLOTS)
+        self._claims.extend([(0, False)] * REPORT_SLOTS)
         self._free_reports.extend(range(first + REPORT_SLOTS - 1, first - 1, -1))
 
-    def submit(self, slot: int | None, on_end: Callable[[int, int], None], throttled: bool = True) -> None:
+    def submit(self, slot: int | None, on_end: Callable[[int, int], None]) -> None:
         """Report to ``on_end(start, end)`` the value words appended since the last ``submit``
         since the arena was emptied: ``start`` is the cursor then, ``end`` after the append.
 
         On CUDA the report comes from a later ``poll`` (the append must have been given the
-        word of ``slot`` from ``next_report``); elsewhere it comes at once.
+        word of ``slot`` from ``next_report``); elsewhere it comes at once. An append that
+        ``next_report`` throttled counts in the window until its report is delivered.
         """
         self._appends += 1
         if not self._asynchronous:
             self._record_end(int(self.cursor), on_end, self._step)
             return
-        self._pending.append((slot, self._step, on_end, throttled))
-        self._throttled += throttled
+        self._pending.append((slot, self._step, on_end))
+        self._throttled += self._claims[slot][1]
 
     def poll(self) -> None:
         """Deliver the reports that have arrived; never blocks."""
@@ -321,12 +323,13 @@ class Arena:
             self._deliver(wait=True)
 
     def _deliver(self, wait: bool) -> None:
-        slot, step, callback, throttled = self._pending.popleft()
+        slot, step, callback = self._pending.popleft()
+        words, throttled = self._claims[slot]
         self._throttled -= throttled
         if wait:
             self._wait_for(slot)
         end = int(self._report_ends[slot][0]) - 1
-        self._unreported_words -= self._report_words[slot]
+        self._unreported_words -= words
         self._free_reports.append(slot)
         self._record_end(end, callback, step)
 

@@ -322,7 +322,7 @@ class Session:
             site.codec.measure(
                 x, arena.cursor, arena.appends, site.spec, self._geometry, site.sign_pack, report, square
             )
-            arena.submit(slot, _measured(collector, site, arena), throttled=False)
+            arena.submit(slot, _measured(collector, site, arena))
             return self._kept_dense(t, site, "arena_full")
         if site.values is not arena.values:
             site.prepare(arena.values, self._geometry, report is not None)
@@ -338,7 +338,7 @@ class Session:
         stats.tensors_compressed += 1
         stats.dense_bytes += site.dense_bytes
         collector.numel += site.numel
-        arena.submit(slot, _confirmation(weakref.ref(handle), self, collector, site, arena), throttled=not sure)
+        arena.submit(slot, _confirmation(weakref.ref(handle), self, collector, site, arena))
         return handle
 
     def _kept_dense(self, t: torch.Tensor, site: Site, reason: str) -> StoredTensor:

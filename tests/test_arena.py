@@ -472,7 +472,7 @@ class SimulatedDevice:
         """Queue an append that takes ``words`` (at most ``max_words``); whether it is sure to fit."""
         slot, report, sure = self.arena.next_report(max_words, hold=hold)
         self.queued.append((report, words))
-        self.arena.submit(slot, lambda start, end: self.reports.append((start, end)), throttled=hold and not sure)
+        self.arena.submit(slot, lambda start, end: self.reports.append((start, end)))
         return sure
 
     def run(self, appends: int) -> None:
@@ -549,7 +549,7 @@ def test_reports_arrive_through_report_slots(device, window):
             compressed.append(None)
         else:
             compressed.append(compress_into(x, codec, GEOMETRY, arena.values, fixed, False, None, report))
-        arena.submit(slot, lambda start, end: reports.append((start, end)), throttled=not (measured or sure))
+        arena.submit(slot, lambda start, end: reports.append((start, end)))
         assert arena._throttled <= window  # older appends were waited for
     assert sure_appends[:2] == [True, True] and not all(sure_appends)
     arena.drain()
