@@ -17,10 +17,18 @@ without blocking, and reports each append's end to its callback (given to ``subm
 
 The host also knows how far the cursor can be at most: where the last report put it, plus
 the most that every unreported append can take (its caller says how much, from the shape). An append within that bound
-is *sure* to fit, and its caller needs to hold nothing until it is confirmed. Of the others,
-at most ``window`` *throttled* appends stay unconfirmed: when one more arrives, the oldest is
-waited for. That wait only happens when the host runs more than ``window`` such appends
-ahead of the GPU, so it throttles the host and costs the GPU nothing.
+is *sure* to fit, and its caller needs to hold nothing until it is confirmed. The others are
+*throttled*: their callers hold memory until their reports come (a dense copy of what they
+store). At most ``window`` of them (any number where the window is None) stay unconfirmed,
+and beyond the first only while the memory they hold stays within the step's *hold
+allowance*: what the step's tensors take dense, as the last step's demand says, less the
+arena's own size. One more waits for the oldest reports first. A wait only happens when the
+host runs that far ahead of the GPU, so it throttles the host, and the GPU idles for it only
+if the host had no lead left.
+
+Why the allowance: a step's stored tensors are all alive at its end (the end of a forward,
+where a training step peaks), and the arena and the held copies together take no more than
+those tensors would dense, however wide the window.
 
 An append that did not fit (or that was only measured: see ``Codec.measure``) still moves
 the cursor, so the cursor's last position is what the step would have needed.
@@ -101,7 +109,8 @@ class Arena:
         device: the device of the buffer.
         capacity_bytes: initial size of the buffer (0: none until a step asks for room).
         fixed_fraction: share of an explicit capacity for the fixed region.
-        window: most throttled appends whose end the host has not confirmed yet.
+        window: most throttled appends whose end the host has not confirmed yet; None: as
+            many as the hold allowance lets.
         growable: resize the regions between steps to fit the last step's demand.
         asynchronous: whether appends report their ends through report slots for a later
             ``poll`` (None: on CUDA, where reading the cursor would wait for the GPU; on the
@@ -117,13 +126,13 @@ class Arena:
         capacity_bytes: int = 0,
         *,
         fixed_fraction: float = 0.25,
-        window: int = 1,
+        window: int | None = 1,
         growable: bool = True,
         asynchronous: bool | None = None,
     ):
         if not 0 < fixed_fraction < 1:
             raise ValueError(f"fixed_fraction must be between 0 and 1, got {fixed_fraction}")
-        if window < 1:
+        if window is not None and window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"  # read at every append: a bool, not the device's str
@@ -140,15 +149,20 @@ class Arena:
         """Region sizes (fixed, value words) to allocate at the next ``reserve_fixed``."""
         self._leases = 0
         self._start_slots: tuple = ()
+        self._expected_dense_words = 0
+        """What the step's tensors are expected to take dense (see ``begin_step``)."""
         self.resize(capacity_bytes)
         self._asynchronous = self._cuda if asynchronous is None else asynchronous
         self._report_slots: list[torch.Tensor] = []
         self._report_ends: list = []  # NumPy views of the slots, read without a CUDA call
         self._free_reports: list[int] = []
-        # Per slot: the most words its append can take, and whether next_report throttled it.
-        self._claims: list[tuple[int, bool]] = []
+        # Per slot: the most words its append can take, and the words its caller holds when
+        # next_report throttled it (0 when not).
+        self._claims: list[tuple[int, int]] = []
         self._pending: collections.deque = collections.deque()
         self._throttled = 0
+        self._held_words = 0
+        """Words the callers of the unconfirmed throttled appends hold."""
         self._step = 0
         self._last_report = (0, 0)
         self._empty()
@@ -181,11 +195,13 @@ class Arena:
         self._fixed_start = 0
         self._fixed_capacity = self._values_capacity = 0  # read at every append: ints, not properties
         if fixed_words == 0:
+            self._update_hold_allowance()
             return
         self._buffer = torch.empty(value_words + 1 + fixed_words, dtype=torch.int32, device=self.device)
         self._fixed_capacity, self._values_capacity = fixed_words, value_words
         self.values = ValueBuffer.over(self._buffer[: value_words + 1], self._counters)
         self._fixed_start = value_words + 1
+        self._update_hold_allowance()
 
     def _make_start_slots(self, count: int) -> None:
         self._start_slots = ()  # the old slots are released first
@@ -257,21 +273,22 @@ class Arena:
 
     # -- confirmation ---------------------------------------------------------------------
 
-    def next_report(self, max_words: int, hold: bool = True) -> tuple[int | None, torch.Tensor | None, bool]:
-        """A report slot for the next append, whose values take at most ``max_words`` words:
-        its number, for ``submit``, the word to pass to the codec, and whether the append is
-        sure to fit (``(None, None, False)`` off CUDA, where ``submit`` reads the cursor and
-        reports at once).
+    def next_report(self, max_words: int, held_words: int) -> tuple[int | None, torch.Tensor | None, bool]:
+        """A report slot for the next append, whose values take at most ``max_words`` words
+        and whose caller holds ``held_words`` words of memory until it is confirmed (0:
+        nothing): its number, for ``submit``, the word to pass to the codec, and whether the
+        append is sure to fit (``(None, None, False)`` off CUDA, where ``submit`` reads the
+        cursor and reports at once).
 
-        An append whose caller would hold memory until it is confirmed (``hold``) and that is
-        not sure to fit is throttled: while ``window`` throttled appends are unconfirmed, it
-        first waits for reports, oldest first, until one of them is confirmed or the reports
-        make it sure.
+        An append that holds memory and is not sure to fit is throttled: while ``window``
+        throttled appends are unconfirmed, or one is and this one's memory would take the held
+        words past the hold allowance, it first waits for reports, oldest first, until neither
+        holds or the reports make it sure.
         """
         if not self._asynchronous:
             return None, None, False
         sure = self._sure_to_fit(max_words)
-        while hold and not sure and self._throttled >= self.window:
+        while held_words and not sure and self._must_wait(held_words):
             self._window_waits += 1
             self._deliver(wait=True)
             sure = self._sure_to_fit(max_words)
@@ -279,9 +296,17 @@ class Arena:
             self._add_report_slots()
         slot = self._free_reports.pop()
         self._report_ends[slot][0] = 0
-        self._claims[slot] = (max_words, hold and not sure)
+        self._claims[slot] = (max_words, 0 if sure else held_words)
         self._unreported_words += max_words
         return slot, self._report_slots[slot], sure
+
+    def _must_wait(self, held_words: int) -> bool:
+        """Whether a throttled append that holds ``held_words`` must wait (see ``next_report``)."""
+        throttled = self._throttled
+        return throttled > 0 and (
+            self._held_words + held_words > self._hold_allowance
+            or (self.window is not None and throttled >= self.window)
+        )
 
     def _sure_to_fit(self, max_words: int) -> bool:
         """Whether ``max_words`` more words fit however much the unreported appends take."""
@@ -294,7 +319,7 @@ class Arena:
         first = len(self._report_slots)
         self._report_slots.extend(ends.split(1))
         self._report_ends.extend(ends.numpy()[i : i + 1] for i in range(REPORT_SLOTS))
-        self._claims.extend([(0, False)] * REPORT_SLOTS)
+        self._claims.extend([(0, 0)] * REPORT_SLOTS)
         self._free_reports.extend(range(first + REPORT_SLOTS - 1, first - 1, -1))
 
     def submit(self, slot: int | None, on_end: Callable[[int, int], None]) -> None:
@@ -310,7 +335,10 @@ class Arena:
             self._record_end(int(self.cursor), on_end, self._step)
             return
         self._pending.append((slot, self._step, on_end))
-        self._throttled += self._claims[slot][1]
+        held = self._claims[slot][1]
+        if held:
+            self._throttled += 1
+            self._held_words += held
 
     def poll(self) -> None:
         """Deliver the reports that have arrived; never blocks."""
@@ -324,8 +352,10 @@ class Arena:
 
     def _deliver(self, wait: bool) -> None:
         slot, step, callback = self._pending.popleft()
-        words, throttled = self._claims[slot]
-        self._throttled -= throttled
+        words, held = self._claims[slot]
+        if held:
+            self._throttled -= 1
+            self._held_words -= held
         if wait:
             self._wait_for(slot)
         end = int(self._report_ends[slot][0]) - 1
@@ -366,22 +396,25 @@ class Arena:
     def leased(self) -> bool:
         return self._leases > 0
 
-    def begin_step(self, fixed_words: int | None, value_words: int | None) -> bool:
+    def begin_step(self, fixed_words: int | None, value_words: int | None, dense_words: int = 0) -> bool:
         """Empty the arena for a new step that is expected to need ``fixed_words`` and
         ``value_words`` (what the last step needed; None when the last step asked nothing of
-        the arena, which says nothing of the next), unless a lease is open; return whether
-        it did.
+        the arena, which says nothing of the next) for tensors that take ``dense_words``
+        dense, unless a lease is open; return whether it did.
 
         Before emptying, it delivers the last step's reports and, if ``growable`` and the
         demand is known, plans each region at the expected demand times ``HEADROOM`` when that
         is above ``GROW_WHEN_ABOVE`` of its size or under half of it. A region that changes is
-        released now and allocated again at the first ``reserve_fixed``.
+        released now and allocated again at the first ``reserve_fixed``. The step's hold
+        allowance is ``dense_words`` less the arena's size.
         """
         if self._leases:
             return False
         self.drain()
+        self._expected_dense_words = dense_words
         if self.growable and fixed_words is not None:
             self._plan(fixed_words, value_words)
+        self._update_hold_allowance()
         # Every append of the last step (measured ones too) may need a start word in this one.
         if self._appends > len(self._start_slots):
             self._make_start_slots(math.ceil(self._appends * HEADROOM))
@@ -414,6 +447,12 @@ class Arena:
             values_demand=self._values_demand * WORD_BYTES,
             window_waits=self._window_waits,
         )
+
+    def _update_hold_allowance(self) -> None:
+        """The words throttled appends may hold together (beyond the first): the step's
+        tensors' dense size less the arena's (as planned), none when the arena is not smaller."""
+        fixed, values = self._planned or (self._fixed_capacity, self._values_capacity)
+        self._hold_allowance = max(0, self._expected_dense_words - fixed - values)
 
     def _plan(self, fixed_demand: int, values_demand: int) -> None:
         """Plan the regions for a step's demand (in words), where it differs enough."""

@@ -56,7 +56,7 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
         select: "relu" (default) or "all".
         backend: "torch", "triton" or None (Triton on CUDA).
         window: most compressed tensors held dense until the host sees them fit (those
-            the arena is not sure of room for).
+            the arena is not sure of room for); None: as many as the step saves room for.
         recompute_squares: restore the square of a stored ReLU output from it.
 
     Raises:
@@ -81,7 +81,7 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
         min_numel: int = DEFAULT_MIN_NUMEL,
         select: str = "relu",
         backend: str | None = None,
-        window: int = 1,
+        window: int | None = 1,
         recompute_squares: bool = True,
     ):
         self.options = _options(capacity, sign_pack, min_numel, select, backend, window, recompute_squares)
@@ -137,7 +137,7 @@ def enable(
     min_numel: int = DEFAULT_MIN_NUMEL,
     select: str = "relu",
     backend: str | None = None,
-    window: int = 1,
+    window: int | None = 1,
     recompute_squares: bool = True,
 ) -> None:
     """Compress saved activations in the calling thread from now on, until ``disable()``.

@@ -105,7 +105,8 @@ class Site:
     """
 
     __slots__ = (
-        "name", "shape", "stride", "dtype", "device", "order", "stored_shape", "numel", "dense_bytes", "spec",
+        "name", "shape", "stride", "dtype", "device", "order", "stored_shape", "numel", "dense_bytes", "dense_words",
+        "spec",
         "fixed_words", "max_value_words", "codec", "sign_pack", "relu_inputs", "values", "encode", "decode",
         "unprofitable",
     )  # fmt: skip
@@ -120,6 +121,7 @@ class Site:
         self.stored_shape = t.permute(self.order).shape if self.order else t.shape
         self.numel = t.numel()
         self.dense_bytes = self.numel * t.element_size()
+        self.dense_words = -(-self.dense_bytes // 4)
         self.spec = dtype_spec(t.dtype)
         self.fixed_words = geometry.fixed_nbytes(self.numel) // 4
         self.max_value_words = geometry.max_stream_words(self.numel, self.spec.bits)

@@ -317,7 +317,7 @@ class Session:
         if square is not None:
             square = site.in_memory_order(square)
         fixed = arena.reserve_fixed(site.fixed_words)
-        slot, report, sure = arena.next_report(site.max_value_words, hold=fixed is not None)
+        slot, report, sure = arena.next_report(site.max_value_words, site.dense_words if fixed is not None else 0)
         if fixed is None:
             site.codec.measure(
                 x, arena.cursor, arena.appends, site.spec, self._geometry, site.sign_pack, report, square
@@ -460,7 +460,7 @@ class Session:
             arena.drain()  # the last step's reports: its encoders ran before its backward
         # An arena that no tensor of the step reached (a forward that saved nothing it would
         # store, or steps of several threads interleaved) keeps its size.
-        demand = dict.fromkeys(self._arenas.values(), (None, None))
+        demand = dict.fromkeys(self._arenas.values(), (None, None, 0))
         by_name: dict = {}  # several Site objects may share a name (strides, options)
         for site, (arena, dense_bytes, fixed_words, value_words) in self._collector.sites.items():
             totals = by_name.setdefault(site.name, [arena, 0, 0, 0])
@@ -470,21 +470,22 @@ class Session:
         learned = False
         for name, (arena, dense_bytes, fixed_words, value_words) in by_name.items():
             if demand[arena][0] is None:
-                demand[arena] = (0, 0)
+                demand[arena] = (0, 0, 0)
             if dense_bytes < PROFITABLE_RATIO * 4 * (fixed_words + value_words):
                 self._unprofitable.add(name)
                 learned = True
                 if isinstance(name, str):
                     self._excluded |= {name}
             else:
-                demand[arena] = (demand[arena][0] + fixed_words, demand[arena][1] + value_words)
+                fixed, values, dense = demand[arena]
+                demand[arena] = (fixed + fixed_words, values + value_words, dense + dense_bytes // 4)
         if learned:
             for site in self._sites.values():
                 site.unprofitable = site.name in self._unprofitable
         self._stale_arenas = False
-        for arena, (fixed_words, value_words) in demand.items():
+        for arena, (fixed_words, value_words, dense_words) in demand.items():
             values = arena.values
-            self._stale_arenas |= not arena.begin_step(fixed_words, value_words)
+            self._stale_arenas |= not arena.begin_step(fixed_words, value_words, dense_words)
             if arena.values is not values:  # released: the sites must not keep it alive
                 self._forget_buffers()
         self._step += 1

@@ -35,9 +35,12 @@ class Options:
             then on.
         backend: codec backend, as for ``compress`` (None: Triton on CUDA, torch elsewhere).
         window: most compressed tensors that the arena is not sure of room for and whose fit
-            the host has not confirmed yet. Each one keeps its dense tensor until confirmed,
-            so a GPU-bound step with a nearly full arena holds ``window`` dense tensors; a
-            larger window only helps a host that runs ahead in bursts.
+            the host has not confirmed yet (None: no count). Each one keeps its dense tensor
+            until confirmed; beyond the first, only while these dense tensors take less than
+            the step saves (the dense size of what it stores less the arena's), so no step
+            peaks above dense. The default of 1 saves the most where the host runs far ahead
+            of the GPU; a wider window (None) keeps the lead a host gains in bursts, at the
+            cost of the memory held at the step's peak where the host is far ahead there.
         recompute_squares: restore ``relu(x) ** 2`` from the stored ``relu(x)``, with the op
             the forward used, rather than storing it too.
 
@@ -51,7 +54,7 @@ class Options:
     min_numel: int = DEFAULT_MIN_NUMEL
     select: str = "relu"
     backend: str | None = None
-    window: int = 1
+    window: int | None = 1
     recompute_squares: bool = True
 
     def __post_init__(self):
@@ -72,8 +75,8 @@ class Options:
             raise ValueError(f"min_numel must be an int >= 0, got {self.min_numel!r}")
         if self.select not in SELECTIONS:
             raise ValueError(f"select must be one of {SELECTIONS}, got {self.select!r}")
-        if not _is_int(self.window) or self.window < 1:
-            raise ValueError(f"window must be an int >= 1, got {self.window!r}")
+        if self.window is not None and (not _is_int(self.window) or self.window < 1):
+            raise ValueError(f"window must be None or an int >= 1, got {self.window!r}")
         if self.backend is not None:
             if self.backend not in BACKENDS:
                 raise ValueError(f"backend must be None, 'torch' or 'triton', got {self.backend!r}")

@@ -50,7 +50,8 @@ class Store:
 
     def __call__(self, x: torch.Tensor):
         fixed = self.arena.reserve_fixed(fixed_words(x.numel()))
-        slot, report, sure = self.arena.next_report(GEOMETRY.max_stream_words(x.numel(), 32))
+        max_words = GEOMETRY.max_stream_words(x.numel(), 32)
+        slot, report, sure = self.arena.next_report(max_words, max_words if fixed is not None else 0)
         assert (slot, report, sure) == (None, None, False), "on the CPU, submit reads the cursor itself"
         if fixed is None:
             torch_codec.measure(x, self.arena.cursor, self.arena.appends, dtype_spec(x.dtype), GEOMETRY, False)
@@ -468,9 +469,11 @@ class SimulatedDevice:
         self.queued: list[tuple[torch.Tensor, int]] = []
         self.reports: list[tuple[int, int]] = []
 
-    def append(self, max_words: int, words: int, hold: bool = True) -> bool:
-        """Queue an append that takes ``words`` (at most ``max_words``); whether it is sure to fit."""
-        slot, report, sure = self.arena.next_report(max_words, hold=hold)
+    def append(self, max_words: int, words: int, held_words: int | None = None) -> bool:
+        """Queue an append that takes ``words`` (at most ``max_words``) and whose caller holds
+        ``held_words`` (by default ``max_words``); whether it is sure to fit."""
+        held_words = max_words if held_words is None else held_words
+        slot, report, sure = self.arena.next_report(max_words, held_words)
         self.queued.append((report, words))
         self.arena.submit(slot, lambda start, end: self.reports.append((start, end)))
         return sure
@@ -497,7 +500,7 @@ def test_sure_appends_are_not_throttled_and_reports_make_others_sure():
     assert arena.usage().window_waits == 4 and arena._throttled == 0
     assert device.reports == [(0, 400), (400, 800), (800, 1200), (1200, 1600)]
     # A measured append (nothing held) is never throttled, but it moves the cursor too.
-    assert not device.append(5000, 5000, hold=False)
+    assert not device.append(5000, 5000, held_words=0)
     assert arena._throttled == 0
     device.run(2)
     arena.drain()
@@ -518,6 +521,43 @@ def test_a_wait_stops_once_the_reports_make_the_append_sure():
     device.run(3)
     arena.drain()
     assert device.reports == [(0, 100), (100, 200), (200, 300), (300, 400)]
+
+
+def expecting(dense_words: int, window: int | None = None) -> tuple[Arena, SimulatedDevice]:
+    """An arena of 4095 words (3071 of values) in a step whose tensors are expected to take
+    ``dense_words`` dense."""
+    arena = Arena("cpu", 4 * 4096, fixed_fraction=0.25, window=window, growable=False, asynchronous=True)
+    assert arena.begin_step(None, None, dense_words)
+    return arena, SimulatedDevice(arena)
+
+
+def test_the_hold_allowance_bounds_the_held_appends_beyond_the_first():
+    # Copies of 2500 words may be held together, or one of any size.
+    arena, device = expecting(dense_words=6595)
+    assert [device.append(1000, 400) for _ in range(3)] == [True, True, True]
+    assert not device.append(1000, 400) and not device.append(1000, 400)  # 2000 words held
+    assert arena._throttled == 2 and arena.usage().window_waits == 0
+    device.run(5)
+    # 3000 words would pass the allowance: it waits, oldest first, until the first throttled
+    # append is confirmed (1000 held: 2000 <= 2500).
+    assert not device.append(1000, 400)
+    assert arena.usage().window_waits == 4 and arena._throttled == 2
+    assert device.reports == [(0, 400), (400, 800), (800, 1200), (1200, 1600)]
+    arena, device = expecting(dense_words=6595)
+    assert device.append(3000, 400) and not device.append(3000, 400)  # one copy: past the allowance
+    device.run(2)
+    assert device.append(2000, 400)  # a second one waits for the first (and is sure then)
+    assert arena.usage().window_waits == 2 and arena._throttled == 0
+
+
+def test_the_window_bounds_the_held_appends():
+    arena, device = expecting(dense_words=100_000, window=3)
+    assert [device.append(1000, 400) for _ in range(3)] == [True, True, True]
+    assert [device.append(1000, 400) for _ in range(3)] == [False] * 3
+    assert arena._throttled == 3 and arena.usage().window_waits == 0
+    device.run(6)
+    assert not device.append(2000, 400)  # waits until the first throttled one is confirmed
+    assert arena._throttled == 3 and arena.usage().window_waits == 4
 
 
 @pytest.mark.parametrize(
@@ -542,7 +582,8 @@ def test_reports_arrive_through_report_slots(device, window):
     for i, x in enumerate(tensors):
         fixed = arena.reserve_fixed(fixed_words(x.numel()))
         measured = i == 2  # one measured append in between: not throttled, reported all the same
-        slot, report, sure = arena.next_report(GEOMETRY.max_stream_words(x.numel(), 32), hold=not measured)
+        max_words = GEOMETRY.max_stream_words(x.numel(), 32)
+        slot, report, sure = arena.next_report(max_words, 0 if measured else max_words)
         sure_appends.append(sure)
         if measured:
             codec.measure(x, arena.cursor, arena.appends, dtype_spec(x.dtype), GEOMETRY, False, report)

@@ -127,7 +127,8 @@ def peaks_in_fresh_process(model_name: str, mode: str, args: argparse.Namespace)
     an earlier mode allocated or cached counts), with ``args.steps``, ``length``, ``batch``
     ``quick`` and ``window``."""
     command = [sys.executable, "-m", "bitsparse.bench", "steps", "--child", mode, "--models", model_name]
-    command += ["--steps", str(args.steps), "--window", str(args.window)] + (["--quick"] if args.quick else [])
+    window = "none" if args.window is None else str(args.window)
+    command += ["--steps", str(args.steps), "--window", window] + (["--quick"] if args.quick else [])
     command += ["--length", str(args.length)] if getattr(args, "length", None) else []
     command += ["--batch", str(args.batch)] if args.batch else []
     result = subprocess.run(command, capture_output=True, text=True, check=True)

@@ -67,8 +67,15 @@ def bitsparse_options(args: argparse.Namespace) -> dict:
     return {"window": args.window, **({"min_numel": 1024} if args.quick else {})}
 
 
+def window_argument(text: str) -> int | None:
+    """``--window``'s value: an int, or "none" (no count)."""
+    return None if text == "none" else int(text)
+
+
 def add_window_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--window", type=int, default=1, help="BitSparse's window option, for its modes")
+    parser.add_argument(
+        "--window", type=window_argument, default=1, help="BitSparse's window option, for its modes (or 'none')"
+    )
 
 
 def mode_context(mode: str, **bitsparse_options):
