@@ -30,7 +30,8 @@ class SpanIndex:
     """Values recorded for spans of storages, found again by any tensor inside a span.
 
     An entry holds its storage and its value weakly: a storage freed (and its address
-    reused) or a value dropped never matches. Not thread-safe: callers hold their own lock.
+    reused) or a value dropped never matches. The entries at one address are all of one
+    storage (``add`` drops the others). Not thread-safe: callers hold their own lock.
     """
 
     def __init__(self):
@@ -48,22 +49,28 @@ class SpanIndex:
         if entries is None:
             self._entries[address] = [entry]
             return
-        # The caching allocator hands a freed storage's address to the next one: entries of
-        # dead storages there would make every lookup at that address longer.
-        entries[:] = [e for e in entries if e[0]() is storage]
-        entries.append(entry)
+        if entries[0][0]() is storage:
+            entries.append(entry)
+        else:  # a freed storage's: the address is this storage's now
+            self._entries[address] = [entry]
 
     def find(self, t: torch.Tensor) -> object | None:
         """The value of a live span that contains ``t``'s elements, unchanged since (same
         dtype and version); None if there is none."""
-        entries = self._entries.get(storage_address(t))
+        address = storage_address(t)
+        entries = self._entries.get(address)
         if not entries:
             return None
+        if entries[0][0]() is None:
+            # Their storage was freed: the caching allocator hands its address to the next
+            # tensor of the same size, which is what most lookups here meet.
+            del self._entries[address]
+            return None
         offset, end, dtype, version = t.storage_offset(), span_end(t), t.dtype, t._version
-        for storage, value, start, stop, entry_dtype, entry_version in entries:
+        for _, value, start, stop, entry_dtype, entry_version in entries:
             if start <= offset and end <= stop and entry_dtype == dtype and entry_version == version:
                 found = value()
-                if found is not None and storage() is not None:
+                if found is not None:
                     return found
         return None
 

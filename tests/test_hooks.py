@@ -28,6 +28,7 @@ from bitsparse.allocator import Arena
 from bitsparse.codecs import get_codec, torch_codec
 from bitsparse.format import TileGeometry, compressed_nbytes, dtype_spec
 from bitsparse.hooks import handles, manager
+from bitsparse.hooks.spans import SpanIndex
 
 MIN_NUMEL = 1024
 """Small enough that the CPU-sized models below get compressed (the default is 65536)."""
@@ -1088,6 +1089,27 @@ def test_held_tensors_stay_within_the_window_and_the_hold_allowance(reporting_ar
     assert 1 < max(throttled for throttled, _, _ in held) <= (window or 6)
     assert all(words <= allowance for throttled, words, allowance in held if throttled > 1)
     assert 2 * 4096 < held[-1][2] < 3 * 4096
+
+
+def test_the_span_index_finds_live_spans_and_forgets_freed_storages():
+    index, first, second = SpanIndex(), handles.Handle(), handles.Handle()
+    a = torch.zeros(4096)
+    index.add(a[:1024], first)
+    index.add(a[2048:], second)
+    assert index.find(a[100:200]) is first and index.find(a[3000:]) is second
+    assert index.find(a[1000:1100]) is None  # not inside one span
+    assert index.find(a[100:200].view(torch.int32)) is None  # another dtype
+    a[5:6].add_(1)
+    assert index.find(a[100:200]) is None  # another version
+    address = a.data_ptr()
+    del a
+    # The allocator hands the freed address out again, to a tensor the index never saw.
+    reused = next((b for b in (torch.zeros(4096) for _ in range(100)) if b.data_ptr() == address), None)
+    if reused is None:
+        pytest.skip("the allocator did not reuse the address")
+    assert index.find(reused[100:200]) is None and len(index) == 0
+    index.add(reused[:10], second)
+    assert index.find(reused[:5]) is second and len(index) == 1
 
 
 def test_values_that_were_sure_to_fit_and_did_not_raise():
