@@ -134,7 +134,7 @@ def test_decode_writes_the_square():
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_other_geometry(tile_size, dtype):
     g = TileGeometry(tile_size)
-    numel = 3 * tile_size * 8 + 17
+    numel = 9 * tile_size + 17  # ten tiles: three programs of the sign-packing encoder loop four times
     for specials, sign_pack in ((True, False), (True, True), (False, True)):
         x = make_input(numel, dtype, 0.6, generator("geom", tile_size, dtype, specials), specials=specials)
         encoded = encode_both(x, sign_pack, geometry=g)
