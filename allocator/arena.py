@@ -16,15 +16,15 @@ end of the append plus one when it finishes; ``poll`` reads the slots, with no C
 without blocking, and reports each append's end to its callback (given to ``submit``).
 
 The host also knows how far the cursor can be at most: where the last report put it, plus
-the most that every unreported append can take (its caller says how much, from the shape). An append within that bound
-is *sure* to fit, and its caller needs to hold nothing until it is confirmed. The others are
-*throttled*: their callers hold memory until their reports come (a dense copy of what they
-store). At most ``window`` of them (any number where the window is None) stay unconfirmed,
-and beyond the first only while the memory they hold stays within the step's *hold
-allowance*: what the step's tensors take dense, as the last step's demand says, less the
-arena's own size. One more waits for the oldest reports first. A wait only happens when the
-host runs that far ahead of the GPU, so it throttles the host, and the GPU idles for it only
-if the host had no lead left.
+the most that every unreported append can take (its caller says how much, from the shape).
+An append within that bound is *sure* to fit, and its caller needs to hold nothing until it
+is confirmed. The others are *throttled*: their callers hold memory until their reports come
+(a dense copy of what they store). At most ``window`` of them (any number where the window
+is None) stay unconfirmed, and beyond the first only while the memory they hold stays within
+the step's *hold allowance*: what the step's tensors take dense, as the last step's demand
+says, less the arena's own size. One more waits for the oldest reports first. A wait only
+happens when the host runs that far ahead of the GPU, so it throttles the host, and the GPU
+idles for it only if the host had no lead left.
 
 Why the allowance: a step's stored tensors are all alive at its end (the end of a forward,
 where a training step peaks), and the arena and the held copies together take no more than
