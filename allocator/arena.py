@@ -30,6 +30,13 @@ Why the allowance: a step's stored tensors are all alive at its end (the end of 
 where a training step peaks), and the arena and the held copies together take no more than
 those tensors would dense, however wide the window.
 
+With ``spill``, the value region goes on in pinned host memory (``bitsparse.allocator.
+mapped``): the device part is sized for what the last step stored, the host part for the
+most that the last step's tensors could take beyond it. Appends are then sure to fit however
+far the host runs ahead, so nothing is held or waited for; values that outrun the device
+part are written to the host part over the bus and read back from there in backward, and
+the next step's device part grows to take them.
+
 An append that did not fit (or that was only measured: see ``Codec.measure``) still moves
 the cursor, so the cursor's last position is what the step would have needed.
 
@@ -49,8 +56,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import psutil
 import torch
 
+from bitsparse.allocator.mapped import device_then_host, granularity
 from bitsparse.compressed import ValueBuffer
 
 WORD_BYTES = 4
@@ -58,6 +67,11 @@ GROW_WHEN_ABOVE = 0.9
 """A region is grown when a step used more than this fraction of it."""
 HEADROOM = 1.15
 """A resized region is this much larger than the step's demand."""
+SPILL_SHARE_OF_HOST = 0.25
+"""The most of the host's available memory the spill regions of its devices take together
+(they are pinned): each takes this divided by the number of visible devices."""
+ALIGN_WORDS = 32
+"""The value region starts this many words (128 bytes) into the buffer, or a multiple."""
 REPORT_TIMEOUT_S = 1.0
 """How long a wait spins on a report slot before it synchronizes the device instead."""
 START_SLOTS = 64
@@ -73,10 +87,15 @@ class ArenaUsage:
     """What the arena holds and what was asked of it since it was last emptied, in bytes."""
 
     capacity: int
-    """The buffer: both regions."""
+    """The buffer's device memory: both regions (the value region's device part)."""
     reserved: int
     """All the device memory the arena holds: the buffer, its start words and counters."""
     values_capacity: int
+    """The value region's device part."""
+    spill_capacity: int
+    """The value region's host part (pinned host memory)."""
+    spilled: int
+    """Values appended to the host part."""
     fixed_used: int
     fixed_demand: int
     values_demand: int
@@ -111,6 +130,9 @@ class Arena:
         fixed_fraction: share of an explicit capacity for the fixed region.
         window: most throttled appends whose end the host has not confirmed yet; None: as
             many as the hold allowance lets.
+        spill: continue the value region in pinned host memory, sized between steps (see
+            above); only for asynchronous arenas, and on CUDA where the driver can map host
+            memory into a device range (``mapped.granularity``).
         growable: resize the regions between steps to fit the last step's demand.
         asynchronous: whether appends report their ends through report slots for a later
             ``poll`` (None: on CUDA, where reading the cursor would wait for the GPU; on the
@@ -129,6 +151,7 @@ class Arena:
         window: int | None = 1,
         growable: bool = True,
         asynchronous: bool | None = None,
+        spill: bool = False,
     ):
         if not 0 < fixed_fraction < 1:
             raise ValueError(f"fixed_fraction must be between 0 and 1, got {fixed_fraction}")
@@ -145,14 +168,15 @@ class Arena:
         self._device_index = self._counters.get_device()
         self._buffer: torch.Tensor | None = None
         self.values: ValueBuffer | None = None
-        self._planned: tuple[int, int] | None = None
-        """Region sizes (fixed, value words) to allocate at the next ``reserve_fixed``."""
+        self._planned: tuple[int, int, int] | None = None
+        """Region sizes (fixed, value, spill words) to allocate at the next ``reserve_fixed``."""
         self._leases = 0
         self._start_slots: tuple = ()
         self._expected_dense_words = 0
         """What the step's tensors are expected to take dense (see ``begin_step``)."""
-        self.resize(capacity_bytes)
         self._asynchronous = self._cuda if asynchronous is None else asynchronous
+        self.spill = spill
+        self.resize(capacity_bytes)
         self._report_slots: list[torch.Tensor] = []
         self._report_ends: list = []  # NumPy views of the slots, read without a CUDA call
         self._free_reports: list[int] = []
@@ -184,23 +208,39 @@ class Arena:
         if fixed and len(self._start_slots) < START_SLOTS:
             self._make_start_slots(START_SLOTS)
 
-    def _allocate(self, fixed_words: int, value_words: int) -> None:
-        """A new buffer: ``value_words`` usable words and the guard (see ValueBuffer), then
-        ``fixed_words``; none when ``fixed_words`` is 0. The old one is released first."""
+    @property
+    def spills(self) -> bool:
+        """Whether the arena continues its value region in host memory (see ``spill``)."""
+        return self.spill and self._asynchronous and (not self._cuda or granularity(self._device_index) is not None)
+
+    def _allocate(self, fixed_words: int, value_words: int, spill_words: int = 0) -> None:
+        """A new buffer: ``fixed_words``, then from the next multiple of ``ALIGN_WORDS``
+        ``value_words`` of device memory and ``spill_words`` of host memory (on CUDA, both rounded up to the
+        mapping's granularity) for values, and the guard (see ValueBuffer); none when
+        ``fixed_words`` is 0. The old one is released first."""
         if self._leases:
             raise RuntimeError("the arena cannot be resized while its contents are leased")
         # Nothing may keep the old buffer alive while the new one is allocated.
         self.values = self._buffer = self._planned = None
         self._fixed_views: dict[tuple[int, int], torch.Tensor] = {}
-        self._fixed_start = 0
-        self._fixed_capacity = self._values_capacity = 0  # read at every append: ints, not properties
+        # Read at every append: ints, not properties.
+        self._fixed_capacity = self._values_capacity = self._device_value_words = self._spill_words = 0
         if fixed_words == 0:
             self._update_hold_allowance()
             return
-        self._buffer = torch.empty(value_words + 1 + fixed_words, dtype=torch.int32, device=self.device)
-        self._fixed_capacity, self._values_capacity = fixed_words, value_words
-        self.values = ValueBuffer.over(self._buffer[: value_words + 1], self._counters)
-        self._fixed_start = value_words + 1
+        values_start = -(-fixed_words // ALIGN_WORDS) * ALIGN_WORDS
+        if spill_words and self._cuda:
+            step = granularity(self._device_index) // WORD_BYTES
+            device_words = -(-(values_start + value_words) // step) * step
+            host_words = -(-(spill_words + 1) // step) * step
+            self._buffer = device_then_host(self.device, device_words * WORD_BYTES, host_words * WORD_BYTES)
+            value_words, spill_words = device_words - values_start, host_words - 1
+        else:
+            words = values_start + value_words + spill_words + 1
+            self._buffer = torch.empty(words, dtype=torch.int32, device=self.device)
+        self._fixed_capacity, self._device_value_words, self._spill_words = fixed_words, value_words, spill_words
+        self._values_capacity = value_words + spill_words
+        self.values = ValueBuffer.over(self._buffer[values_start:], self._counters)
         self._update_hold_allowance()
 
     def _make_start_slots(self, count: int) -> None:
@@ -209,12 +249,25 @@ class Arena:
 
     @property
     def capacity_bytes(self) -> int:
-        return 0 if self._buffer is None else self._buffer.numel() * WORD_BYTES
+        """The buffer's device memory."""
+        if self._buffer is None:
+            return 0
+        return self._buffer.numel() * WORD_BYTES - self.spill_bytes
+
+    @property
+    def spill_bytes(self) -> int:
+        """The buffer's host memory: the value region's host part and the guard."""
+        return (self._spill_words + 1) * WORD_BYTES if self._spill_words else 0
 
     @property
     def values_capacity_words(self) -> int:
-        """Usable words of the value region (its guard excluded)."""
+        """Usable words of the value region, both parts (its guard excluded)."""
         return self._values_capacity
+
+    @property
+    def device_value_words(self) -> int:
+        """Usable words of the value region's device part: the words past them are host memory."""
+        return self._device_value_words
 
     @property
     def fixed_capacity_words(self) -> int:
@@ -231,7 +284,7 @@ class Arena:
         if self._planned is not None:
             self._allocate(*self._planned)
         self._fixed_demand += words
-        start = self._fixed_start + self._fixed_used
+        start = self._fixed_used
         if self._fixed_used + words > self._fixed_capacity:
             return None
         self._fixed_used += words
@@ -396,24 +449,29 @@ class Arena:
     def leased(self) -> bool:
         return self._leases > 0
 
-    def begin_step(self, fixed_words: int | None, value_words: int | None, dense_words: int = 0) -> bool:
+    def begin_step(
+        self, fixed_words: int | None, value_words: int | None, dense_words: int = 0, most_value_words: int = 0
+    ) -> bool:
         """Empty the arena for a new step that is expected to need ``fixed_words`` and
         ``value_words`` (what the last step needed; None when the last step asked nothing of
         the arena, which says nothing of the next) for tensors that take ``dense_words``
-        dense, unless a lease is open; return whether it did.
+        dense and whose values could take ``most_value_words`` at most, unless a lease is
+        open; return whether it did.
 
         Before emptying, it delivers the last step's reports and, if ``growable`` and the
         demand is known, plans each region at the expected demand times ``HEADROOM`` when that
-        is above ``GROW_WHEN_ABOVE`` of its size or under half of it. A region that changes is
+        is above ``GROW_WHEN_ABOVE`` of its size or under half of it; the spill region's
+        demand is ``most_value_words`` less the value region's device part, capped at this
+        device's share of ``SPILL_SHARE_OF_HOST`` of the host's available memory. A region that changes is
         released now and allocated again at the first ``reserve_fixed``. The step's hold
-        allowance is ``dense_words`` less the arena's size.
+        allowance is ``dense_words`` less the arena's device memory.
         """
         if self._leases:
             return False
         self.drain()
         self._expected_dense_words = dense_words
         if self.growable and fixed_words is not None:
-            self._plan(fixed_words, value_words)
+            self._plan(fixed_words, value_words, most_value_words)
         self._update_hold_allowance()
         # Every append of the last step (measured ones too) may need a start word in this one.
         if self._appends > len(self._start_slots):
@@ -441,7 +499,9 @@ class Arena:
         return ArenaUsage(
             capacity=self.capacity_bytes,
             reserved=self.reserved_bytes,
-            values_capacity=self.values_capacity_words * WORD_BYTES,
+            values_capacity=self._device_value_words * WORD_BYTES,
+            spill_capacity=self._spill_words * WORD_BYTES,
+            spilled=max(0, min(self._values_demand, self._values_capacity) - self._device_value_words) * WORD_BYTES,
             fixed_used=self._fixed_used * WORD_BYTES,
             fixed_demand=self._fixed_demand * WORD_BYTES,
             values_demand=self._values_demand * WORD_BYTES,
@@ -450,11 +510,12 @@ class Arena:
 
     def _update_hold_allowance(self) -> None:
         """The words throttled appends may hold together (beyond the first): the step's
-        tensors' dense size less the arena's (as planned), none when the arena is not smaller."""
-        fixed, values = self._planned or (self._fixed_capacity, self._values_capacity)
+        tensors' dense size less the arena's device memory (as planned), none when the arena
+        is not smaller."""
+        fixed, values, _ = self._planned or (self._fixed_capacity, self._device_value_words, 0)
         self._hold_allowance = max(0, self._expected_dense_words - fixed - values)
 
-    def _plan(self, fixed_demand: int, values_demand: int) -> None:
+    def _plan(self, fixed_demand: int, values_demand: int, most_value_words: int) -> None:
         """Plan the regions for a step's demand (in words), where it differs enough."""
 
         def planned(current: int, demand: int) -> int:
@@ -462,8 +523,19 @@ class Arena:
                 return math.ceil(demand * HEADROOM)
             return current
 
-        current = self._planned or (self.fixed_capacity_words, self.values_capacity_words)
-        plan = (planned(current[0], fixed_demand), planned(current[1], values_demand))
-        if plan != (self.fixed_capacity_words, self.values_capacity_words):
+        allocated = (self._fixed_capacity, self._device_value_words, self._spill_words)
+        current = self._planned or allocated
+        fixed, values = planned(current[0], fixed_demand), planned(current[1], values_demand)
+        spill = 0
+        if self.spills:
+            spill = max(0, most_value_words - values)
+            if spill > current[2]:
+                # Shared by the processes of a host's devices (one per device, as torchrun runs them).
+                devices = torch.cuda.device_count() if self._cuda else 1
+                share = psutil.virtual_memory().available * SPILL_SHARE_OF_HOST / devices
+                spill = min(spill, int(share) // WORD_BYTES)
+            spill = planned(current[2], spill) if spill else 0
+        plan = (fixed, values, spill)
+        if plan != allocated:
             self._allocate(0, 0)  # released now, allocated when first needed
             self._planned = plan

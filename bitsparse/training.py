@@ -58,6 +58,8 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
         window: most compressed tensors held dense until the host sees them fit (those
             the arena is not sure of room for); None: as many as the step saves room for.
         recompute_squares: restore the square of a stored ReLU output from it.
+        host_spill: on CUDA, continue the arena in pinned host memory, so that no tensor
+            waits for the GPU to confirm it fits.
 
     Raises:
         TypeError, ValueError: an option of the wrong type or value, or a backend that cannot
@@ -83,8 +85,9 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
         backend: str | None = None,
         window: int | None = 1,
         recompute_squares: bool = True,
+        host_spill: bool = True,
     ):
-        self.options = _options(capacity, sign_pack, min_numel, select, backend, window, recompute_squares)
+        self.options = _options(capacity, sign_pack, min_numel, select, backend, window, recompute_squares, host_spill)
         self._excluded = _session.excluded_sites()
         super().__init__(*hooks_for(_session, self.options, self._excluded))
         self._steering: tuple | None = None
@@ -139,6 +142,7 @@ def enable(
     backend: str | None = None,
     window: int | None = 1,
     recompute_squares: bool = True,
+    host_spill: bool = True,
 ) -> None:
     """Compress saved activations in the calling thread from now on, until ``disable()``.
 
@@ -162,6 +166,7 @@ def enable(
         backend=backend,
         window=window,
         recompute_squares=recompute_squares,
+        host_spill=host_spill,
     )
     _check_innermost("enable", "before")
     disable()

@@ -284,12 +284,12 @@ class Session:
 
     def _arena(self, device: torch.device, options: Options) -> Arena:
         """The device's arena, resized when the options ask for another capacity (only
-        while nothing it holds is alive) and set to their window."""
+        while nothing it holds is alive) and set to their window and spill."""
         arena = self._arenas.get(device)
         if arena is None:
-            arena = self._arenas[device] = Arena(device, window=options.window)
+            arena = self._arenas[device] = Arena(device, window=options.window, spill=options.host_spill)
         if not arena.leased:
-            arena.window = options.window
+            arena.window, arena.spill = options.window, options.host_spill
             if self._capacities.get(device) != options.capacity:
                 self._capacities[device] = options.capacity
                 if options.capacity != "auto":
@@ -460,32 +460,33 @@ class Session:
             arena.drain()  # the last step's reports: its encoders ran before its backward
         # An arena that no tensor of the step reached (a forward that saved nothing it would
         # store, or steps of several threads interleaved) keeps its size.
-        demand = dict.fromkeys(self._arenas.values(), (None, None, 0))
+        demand = dict.fromkeys(self._arenas.values(), (None, None, 0, 0))
         by_name: dict = {}  # several Site objects may share a name (strides, options)
-        for site, (arena, dense_bytes, fixed_words, value_words) in self._collector.sites.items():
-            totals = by_name.setdefault(site.name, [arena, 0, 0, 0])
+        for site, (arena, dense_bytes, fixed_words, value_words, most_words) in self._collector.sites.items():
+            totals = by_name.setdefault(site.name, [arena, 0, 0, 0, 0])
             totals[1] += dense_bytes
             totals[2] += fixed_words
             totals[3] += value_words
+            totals[4] += most_words
         learned = False
-        for name, (arena, dense_bytes, fixed_words, value_words) in by_name.items():
+        for name, (arena, dense_bytes, fixed_words, value_words, most_words) in by_name.items():
             if demand[arena][0] is None:
-                demand[arena] = (0, 0, 0)
+                demand[arena] = (0, 0, 0, 0)
             if dense_bytes < PROFITABLE_RATIO * 4 * (fixed_words + value_words):
                 self._unprofitable.add(name)
                 learned = True
                 if isinstance(name, str):
                     self._excluded |= {name}
             else:
-                fixed, values, dense = demand[arena]
-                demand[arena] = (fixed + fixed_words, values + value_words, dense + dense_bytes // 4)
+                fixed, values, dense, most = demand[arena]
+                demand[arena] = (fixed + fixed_words, values + value_words, dense + dense_bytes // 4, most + most_words)
         if learned:
             for site in self._sites.values():
                 site.unprofitable = site.name in self._unprofitable
         self._stale_arenas = False
-        for arena, (fixed_words, value_words, dense_words) in demand.items():
+        for arena, (fixed_words, value_words, dense_words, most_words) in demand.items():
             values = arena.values
-            self._stale_arenas |= not arena.begin_step(fixed_words, value_words, dense_words)
+            self._stale_arenas |= not arena.begin_step(fixed_words, value_words, dense_words, most_words)
             if arena.values is not values:  # released: the sites must not keep it alive
                 self._forget_buffers()
         self._step += 1
@@ -514,7 +515,8 @@ class Session:
     def stats(self) -> Stats:
         with self._lock:
             reserved = sum(arena.reserved_bytes for arena in self._arenas.values())
-            return copy.deepcopy(self._collector.finish(self._live, reserved))
+            spill = sum(arena.spill_bytes for arena in self._arenas.values())
+            return copy.deepcopy(self._collector.finish(self._live, reserved, spill))
 
     def reset(self) -> None:
         """Forget arenas (releasing their memory), learned state and statistics.
@@ -572,7 +574,10 @@ def _confirmation(handle_ref, session: Session, collector: StepCollector, site: 
 
     def confirm(start: int, end: int) -> None:
         fits = end <= arena.values_capacity_words
-        collector.stats.stored_bytes += 4 * (site.fixed_words + end - start) if fits else site.dense_bytes
+        stats = collector.stats
+        stats.stored_bytes += 4 * (site.fixed_words + end - start) if fits else site.dense_bytes
+        if fits and end > arena.device_value_words:
+            stats.spilled_bytes += 4 * (end - max(start, arena.device_value_words))
         collector.add_site(site, arena, end - start)
         if not fits:
             collector.fallbacks["arena_full"] += 1

@@ -41,8 +41,20 @@ class Options:
             peaks above dense. The default of 1 saves the most where the host runs far ahead
             of the GPU; a wider window (None) keeps the lead a host gains in bursts, at the
             cost of the memory held at the step's peak where the host is far ahead there.
+            With ``host_spill``, the arena is sure of room for a step like the last one, so
+            the window only applies to a first step with an explicit capacity and to steps
+            that store more tensors than the last.
         recompute_squares: restore ``relu(x) ** 2`` from the stored ``relu(x)``, with the op
             the forward used, rather than storing it too.
+        host_spill: on CUDA, continue the arena's value region in pinned host memory (up to
+            a quarter of the host's available memory, divided among its GPUs), sized from the second step on for
+            the most the last step's tensors could take beyond the device part. The arena is
+            then sure of room for every tensor: none is held dense or waited for, and values
+            that outrun the device part (a step sparser than the last) go to host memory and
+            are read from there in backward. Such an arena is mapped through CUDA's virtual
+            memory API, outside PyTorch's caching allocator (``torch.cuda.memory_allocated``
+            leaves it out; ``stats().arena_reserved`` has it). Ignored where the driver
+            cannot map host memory (before CUDA 12.2) and off CUDA.
 
     Raises:
         TypeError: an option of the wrong type.
@@ -56,6 +68,7 @@ class Options:
     backend: str | None = None
     window: int | None = 1
     recompute_squares: bool = True
+    host_spill: bool = True
 
     def __post_init__(self):
         c = self.capacity
@@ -68,7 +81,7 @@ class Options:
                 f"capacity must be 'auto', a number of bytes (an int >= {MIN_CAPACITY_BYTES}) or a fraction of "
                 f"free memory (a float in (0, 1]); got {c!r}"
             )
-        for name in ("sign_pack", "recompute_squares"):
+        for name in ("sign_pack", "recompute_squares", "host_spill"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not _is_int(self.min_numel) or self.min_numel < 0:

@@ -34,9 +34,12 @@ class Stats:
     stream than the step's first stored tensor).
 
     ``arena_reserved`` is the device memory the arenas hold (all of it counts in a step's
-    peak), ``arena_peak`` what of it this step used, and ``window_waits`` how often the host
-    waited for the GPU to confirm a tensor (see ``Options.window``). ``tensors_alive`` is how
-    many compressed tensors, of any step, autograd still held when ``stats()`` was called.
+    peak), ``arena_peak`` what of it this step used, ``spill_reserved`` the pinned host
+    memory they hold to continue their value regions (``Options.host_spill``),
+    ``spilled_bytes`` how much of ``stored_bytes`` this step wrote there, and
+    ``window_waits`` how often the host waited for the GPU to confirm a tensor (see
+    ``Options.window``). ``tensors_alive`` is how many compressed tensors, of any step,
+    autograd still held when ``stats()`` was called.
     """
 
     step: int = 0
@@ -51,6 +54,8 @@ class Stats:
     zero_fraction: float = 0.0
     arena_reserved: int = 0
     arena_peak: int = 0
+    spill_reserved: int = 0
+    spilled_bytes: int = 0
     window_waits: int = 0
     tensors_alive: int = 0
 
@@ -68,12 +73,15 @@ class Stats:
         mib = 1 << 20
         skipped = ", ".join(f"{k} {v}" for k, v in sorted(self.tensors_skipped.items())) or "none"
         fallbacks = ", ".join(f"{k} {v}" for k, v in sorted(self.fallbacks.items())) or "none"
+        spill = ""
+        if self.spill_reserved:
+            spill = f" (+{self.spilled_bytes / mib:.1f}/{self.spill_reserved / mib:.1f} MiB in host memory)"
         return (
             f"step {self.step}: {self.tensors_compressed}/{self.tensors_seen} saved tensors compressed "
             f"(+{self.tensors_deduplicated} shared, {self.tensors_recomputed} recomputed), "
             f"{self.dense_bytes / mib:.1f} MiB -> {self.stored_bytes / mib:.1f} MiB "
             f"({self.ratio:.2f}x, {100 * self.zero_fraction:.1f}% zeros), "
-            f"arena {self.arena_peak / mib:.1f}/{self.arena_reserved / mib:.1f} MiB; "
+            f"arena {self.arena_peak / mib:.1f}/{self.arena_reserved / mib:.1f} MiB{spill}; "
             f"skipped: {skipped}; fallbacks: {fallbacks}"
         )
 
@@ -82,8 +90,9 @@ class StepCollector:
     """Counters of one step, filled in by packs and by the arenas' asynchronous reports.
 
     ``sites`` sums, per save site (a ``Site``: keyed by the object, whose hash costs less than
-    its name's), the bytes its tensors take dense and the arena words they take or would take
-    (measured ones included): what pays, and what the next step needs.
+    its name's), the bytes its tensors take dense, the arena words they take or would take
+    (measured ones included) and the most value words they could take: what pays, and what
+    the next step needs.
     """
 
     def __init__(self, step: int):
@@ -113,16 +122,18 @@ class StepCollector:
         ``value_words`` of ``arena`` besides its fixed words."""
         totals = self.sites.get(site)
         if totals is None:
-            self.sites[site] = [arena, site.dense_bytes, site.fixed_words, value_words]
+            self.sites[site] = [arena, site.dense_bytes, site.fixed_words, value_words, site.max_value_words]
         else:
             totals[1] += site.dense_bytes
             totals[2] += site.fixed_words
             totals[3] += value_words
+            totals[4] += site.max_value_words
 
-    def finish(self, tensors_alive: int, arena_reserved: int) -> Stats:
+    def finish(self, tensors_alive: int, arena_reserved: int, spill_reserved: int) -> Stats:
         """The step's statistics; synchronizes once to read the device counters.
 
-        ``tensors_alive`` and ``arena_reserved`` describe the session now, all steps together.
+        ``tensors_alive``, ``arena_reserved`` and ``spill_reserved`` describe the session
+        now, all steps together.
         """
         for arena in self.arenas:
             arena.drain()
@@ -136,6 +147,7 @@ class StepCollector:
         s.zero_fraction = 1 - nonzeros / self.numel if self.numel else 0.0
         usages = [arena.usage() for arena in self.arenas]
         s.arena_reserved = arena_reserved
+        s.spill_reserved = spill_reserved
         s.arena_peak = sum(u.peak for u in usages)
         s.window_waits = sum(u.window_waits for u in usages)
         s.tensors_alive = tensors_alive

@@ -17,9 +17,9 @@ import pytest
 import torch
 from helpers import assert_bitwise_equal, generator, make_input
 
-from bitsparse import TileGeometry, ValueBuffer, decompress
-from bitsparse.allocator import Arena, ArenaUsage, Lease
-from bitsparse.allocator.arena import GROW_WHEN_ABOVE, HEADROOM, START_SLOTS, WORD_BYTES
+from bitsparse import TileGeometry, ValueBuffer, compress, decompress
+from bitsparse.allocator import Arena, ArenaUsage, Lease, mapped
+from bitsparse.allocator.arena import ALIGN_WORDS, GROW_WHEN_ABOVE, HEADROOM, START_SLOTS, WORD_BYTES
 from bitsparse.codecs import torch_codec
 from bitsparse.compressed import compress_into
 from bitsparse.format import dtype_spec
@@ -131,9 +131,9 @@ def test_reserve_fixed_hands_out_consecutive_disjoint_slices():
     for s, n in zip(slices, sizes):
         assert s.dtype == torch.int32 and s.shape == (n,) and s.device.type == "cpu"
         assert s.is_contiguous()
-    # Host-known positions: one after the other, in the fixed region after the value words.
+    # Host-known positions: one after the other, in the fixed region before the value words.
     offsets = [s.storage_offset() for s in slices]
-    assert offsets[0] == arena.values.capacity + 1
+    assert offsets[0] == 0 and arena.values.words.storage_offset() == arena.fixed_capacity_words
     assert offsets == [offsets[0] + sum(sizes[:i]) for i in range(len(sizes))]
     assert words_ranges_disjoint(slices)
     # None of them overlaps the value region (words and guard).
@@ -558,6 +558,79 @@ def test_the_window_bounds_the_held_appends():
     device.run(6)
     assert not device.append(2000, 400)  # waits until the first throttled one is confirmed
     assert arena._throttled == 3 and arena.usage().window_waits == 4
+
+
+def spilling(values_demand: int, most_value_words: int) -> Arena:
+    """A spilling arena (a simulated device's, on the CPU) after a step that needed 1000
+    fixed words and ``values_demand`` value words for tensors whose values could take
+    ``most_value_words``, with its buffer allocated."""
+    arena = Arena("cpu", window=1, asynchronous=True, spill=True)
+    assert arena.begin_step(1000, values_demand, 10 * most_value_words, most_value_words)
+    assert arena.reserve_fixed(1) is not None
+    return arena
+
+
+def test_a_spill_region_continues_the_values_for_the_most_the_last_step_could_take():
+    arena = spilling(values_demand=2000, most_value_words=20_000)
+    device_part = math.ceil(HEADROOM * 2000)
+    assert arena.device_value_words == device_part and arena.fixed_capacity_words == math.ceil(HEADROOM * 1000)
+    assert arena.values_capacity_words == device_part + math.ceil(HEADROOM * (20_000 - device_part))
+    # The value region starts aligned, after the fixed region; the spill and the guard end the buffer.
+    assert arena.values.words.storage_offset() % ALIGN_WORDS == 0
+    assert arena.values.capacity == arena.values_capacity_words
+    assert arena.spill_bytes == (arena.values_capacity_words - device_part + 1) * WORD_BYTES
+    assert arena.capacity_bytes + arena.spill_bytes == arena.values.words.untyped_storage().nbytes()
+    # The hold allowance leaves the spill out: it is host memory.
+    fixed_part = arena.values.words.storage_offset()
+    assert arena.capacity_bytes == (fixed_part + device_part) * WORD_BYTES
+    assert arena._hold_allowance == 10 * 20_000 - arena.fixed_capacity_words - device_part
+    # The same demand keeps the buffer; a spill-free arena has none.
+    buffer = arena.values.words
+    assert arena.begin_step(1000, 2000, 200_000, 20_000) and arena.reserve_fixed(1) is not None
+    assert arena.values.words is buffer
+    assert spilling(2000, 2000).spill_bytes == 0
+    plain = Arena("cpu", window=1, asynchronous=True)
+    assert plain.begin_step(1000, 2000, 200_000, 20_000) and plain.reserve_fixed(1) is not None
+    assert plain.spill_bytes == 0 and plain.values_capacity_words == plain.device_value_words
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("sign_pack", [False, True])
+def test_a_device_then_host_buffer_holds_a_stream_across_its_two_parts(dtype, sign_pack):
+    step = mapped.granularity(torch.cuda.current_device())
+    if step is None:
+        pytest.skip("this CUDA driver cannot map host memory into a device range")
+    words = mapped.device_then_host(torch.device("cuda", torch.cuda.current_device()), step, 4 * step)
+    assert words.dtype == torch.int32 and words.numel() == 5 * step // WORD_BYTES
+    counters = torch.zeros(3, dtype=torch.int64, device="cuda")
+    buffer = ValueBuffer.over(words, counters)
+    x = relu_like(1_000_000, 0.3, "mapped").to("cuda", dtype)
+    counters[0] = step // WORD_BYTES - 1000  # the stream starts in device memory, ends in host memory
+    c = compress(x, values=buffer, sign_pack=sign_pack)
+    assert int(counters[0]) > step // WORD_BYTES and c.fits
+    assert_bitwise_equal(decompress(c), x)
+    assert_bitwise_equal(decompress(c, backend="torch"), x)
+    del c, buffer, words
+    gc.collect()  # released (after the device finished with it)
+
+
+def test_appends_within_the_spill_region_are_sure_and_counted_as_spilled():
+    arena = spilling(values_demand=2000, most_value_words=20_000)
+    device = SimulatedDevice(arena)
+    # Nothing reported, the host far ahead: every append of the last step's size is sure.
+    assert all(device.append(1000, 400) for _ in range(19))
+    assert arena._throttled == 0
+    device.run(19)
+    arena.drain()
+    assert arena.usage().window_waits == 0 and device.reports[-1] == (18 * 400, 19 * 400)
+    usage = arena.usage()
+    assert usage.values_capacity == arena.device_value_words * WORD_BYTES
+    assert usage.spilled == (19 * 400 - arena.device_value_words) * WORD_BYTES
+    assert usage.peak == usage.fixed_used + usage.values_capacity  # device memory only
+    # Past both parts, appends are throttled as without a spill region.
+    assert not device.append(arena.values_capacity_words, 400)
 
 
 @pytest.mark.parametrize(

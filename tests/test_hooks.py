@@ -839,7 +839,8 @@ def test_stats_dict_and_str():
     assert set(d) == {
         "step", "tensors_seen", "tensors_compressed", "tensors_deduplicated", "tensors_recomputed",
         "tensors_skipped", "fallbacks", "dense_bytes", "stored_bytes", "zero_fraction",
-        "arena_reserved", "arena_peak", "window_waits", "tensors_alive", "ratio",
+        "arena_reserved", "arena_peak", "spill_reserved", "spilled_bytes", "window_waits", "tensors_alive",
+        "ratio",
     }
     assert d["ratio"] == s.ratio
     assert d["tensors_skipped"] == {"not_relu_family": 1, "parameter": 1}
@@ -1082,13 +1083,42 @@ def test_held_tensors_stay_within_the_window_and_the_hold_allowance(reporting_ar
     monkeypatch.setattr(Arena, "submit", recording_submit)
     torch.manual_seed(0)
     model = nn.Sequential(*[layer for _ in range(6) for layer in (nn.Linear(64, 64), nn.ReLU())])
-    stats = check_exact(model, torch.randn(64, 64), steps=3, window=window)
+    stats = check_exact(model, torch.randn(64, 64), steps=3, window=window, host_spill=False)
     assert all(s.fallbacks == {} and s.tensors_compressed == 6 for s in stats[1:])
     # Several held at once, at most the window, and beyond the first only within the step's
     # allowance (the dense size of the tensors it stores less the arena's): about 2.5 tensors.
     assert 1 < max(throttled for throttled, _, _ in held) <= (window or 6)
     assert all(words <= allowance for throttled, words, allowance in held if throttled > 1)
     assert 2 * 4096 < held[-1][2] < 3 * 4096
+
+
+@pytest.mark.parametrize("host_spill", [True, False])
+def test_a_spilling_arena_is_sure_of_every_tensor_when_the_gpu_lags_far_behind(
+    reporting_arenas, monkeypatch, host_spill
+):
+    # No report arrives during a forward. Two steps size the arena for ReLU outputs about half
+    # zeros; a third whose outputs are nearly all nonzero (biases raised) outruns its device part.
+    device = LaggingDevice(monkeypatch, lag=100)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(6) for layer in (nn.Linear(64, 64), nn.ReLU())])
+    x = torch.randn(64, 64)
+    for s in check_exact(model, x, steps=2, host_spill=host_spill):
+        check_consistent(s)
+    with torch.no_grad():
+        for layer in model[::2]:
+            layer.bias.fill_(4.0)
+    (s,) = check_exact(model, x, steps=1, host_spill=host_spill)
+    check_consistent(s)
+    if host_spill:
+        # Every tensor sure: none held, none waited for, none fallen back; the values past
+        # the device part went to the spill region.
+        assert s.tensors_compressed == 6 and s.fallbacks == {} and s.window_waits == 0
+        assert s.spill_reserved > 0 and 0 < s.spilled_bytes < s.stored_bytes
+        assert s.zero_fraction < 0.1
+    else:
+        assert s.spill_reserved == s.spilled_bytes == 0
+        assert s.window_waits > 0 and s.fallbacks.get("arena_full", 0) > 0
+    assert device.waits > 0  # the step's end drains the reports
 
 
 def test_the_span_index_finds_live_spans_and_forgets_freed_storages():
@@ -1297,6 +1327,7 @@ def test_bad_option_values(options, message):
     [
         ({"sign_pack": "no"}, "sign_pack must be True or False, got 'no'"),
         ({"recompute_squares": "no"}, "recompute_squares must be True or False, got 'no'"),
+        ({"host_spill": 0}, "host_spill must be True or False, got 0"),
         ({"sign_pack": 1}, "sign_pack must be True or False"),
     ],
     ids=lambda v: repr(v) if isinstance(v, dict) else "",

@@ -99,7 +99,7 @@ def step_peaks(model_name: str, mode: str, args: argparse.Namespace) -> list[int
         del loss
         if cuda:
             torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated() if cuda else 0)
+        peaks.append(training.max_memory_allocated() if cuda else 0)
     return peaks
 
 
@@ -125,10 +125,11 @@ def run(args: argparse.Namespace) -> list[dict]:
 def peaks_in_fresh_process(model_name: str, mode: str, args: argparse.Namespace) -> list[int]:
     """``step_peaks`` of ``model_name`` in ``mode``, run in a new Python process (so nothing
     an earlier mode allocated or cached counts), with ``args.steps``, ``length``, ``batch``
-    ``quick`` and ``window``."""
+    ``quick``, ``window`` and ``host_spill``."""
     command = [sys.executable, "-m", "bitsparse.bench", "steps", "--child", mode, "--models", model_name]
     window = "none" if args.window is None else str(args.window)
     command += ["--steps", str(args.steps), "--window", window] + (["--quick"] if args.quick else [])
+    command += [] if args.host_spill else ["--no-host-spill"]
     command += ["--length", str(args.length)] if getattr(args, "length", None) else []
     command += ["--batch", str(args.batch)] if args.batch else []
     result = subprocess.run(command, capture_output=True, text=True, check=True)
@@ -149,4 +150,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny models that run on the CPU")
     parser.add_argument("--out", default=".", help="folder for steps.csv")
     parser.add_argument("--child", choices=CHILD_MODES, help=argparse.SUPPRESS)
-    training.add_window_argument(parser)
+    training.add_bitsparse_arguments(parser)

@@ -61,10 +61,20 @@ def deterministic_kernels():
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
 
 
+def max_memory_allocated() -> int:
+    """The CUDA peak of allocated memory since the last reset, plus the device memory of a
+    BitSparse arena mapped outside PyTorch's caching allocator (``Options.host_spill``),
+    which that peak leaves out."""
+    stats = bitsparse.stats()
+    return torch.cuda.max_memory_allocated() + (stats.arena_reserved if stats.spill_reserved else 0)
+
+
 def bitsparse_options(args: argparse.Namespace) -> dict:
-    """The options of the BitSparse modes: ``--window``, and for ``--quick`` models (whose
-    tensors are small) ``min_numel=1024``, so that they are compressed anyway."""
-    return {"window": args.window, **({"min_numel": 1024} if args.quick else {})}
+    """The options of the BitSparse modes: ``--window``, ``--no-host-spill``, and for
+    ``--quick`` models (whose tensors are small) ``min_numel=1024``, so that they are
+    compressed anyway."""
+    options = {"window": args.window, "host_spill": args.host_spill}
+    return {**options, **({"min_numel": 1024} if args.quick else {})}
 
 
 def window_argument(text: str) -> int | None:
@@ -72,9 +82,13 @@ def window_argument(text: str) -> int | None:
     return None if text == "none" else int(text)
 
 
-def add_window_argument(parser: argparse.ArgumentParser) -> None:
+def add_bitsparse_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the BitSparse modes, read by ``bitsparse_options``."""
     parser.add_argument(
         "--window", type=window_argument, default=1, help="BitSparse's window option, for its modes (or 'none')"
+    )
+    parser.add_argument(
+        "--no-host-spill", dest="host_spill", action="store_false", help="BitSparse's modes with host_spill=False"
     )
 
 
@@ -362,7 +376,7 @@ def add_common_arguments(parser, zeros_default) -> None:
     parser.add_argument("--repeats", type=int, default=10, help="interleaved timing rounds")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     parser.add_argument("--budget-gib", type=float, help="also report the largest size that fits")
-    add_window_argument(parser)
+    add_bitsparse_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="a tiny version that runs on the CPU")
     parser.add_argument("--out", default=".", help="folder for the CSV and PNG")
 

@@ -52,4 +52,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=10, help="interleaved timing rounds")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     parser.add_argument("--quick", action="store_true", help="64x64 images, batch 2: runs on the CPU")
-    training.add_window_argument(parser)
+    training.add_bitsparse_arguments(parser)
