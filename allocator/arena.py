@@ -130,17 +130,21 @@ class Arena:
         fixed_fraction: share of an explicit capacity for the fixed region.
         window: most throttled appends whose end the host has not confirmed yet; None: as
             many as the hold allowance lets.
-        spill: continue the value region in pinned host memory, sized between steps (see
-            above); only for asynchronous arenas, and on CUDA where the driver can map host
-            memory into a device range (``mapped.granularity``).
         growable: resize the regions between steps to fit the last step's demand.
         asynchronous: whether appends report their ends through report slots for a later
             ``poll`` (None: on CUDA, where reading the cursor would wait for the GPU; on the
             CPU, a codec that writes the slots exercises the same path, for tests).
+        spill: continue the value region in pinned host memory, sized between steps (see
+            above); only for asynchronous arenas, and on CUDA where the driver can map host
+            memory into a device range (``mapped.granularity``).
 
     Raises:
         ValueError: a negative capacity, a fraction outside (0, 1) or a window below 1.
     """
+
+    _cpu_mapping_words = 1
+    """The unit of a spilling CPU arena's parts (it simulates a device's; tests raise it to
+    play CUDA's mapping granularity)."""
 
     def __init__(
         self,
@@ -225,18 +229,23 @@ class Arena:
         self._fixed_views: dict[tuple[int, int], torch.Tensor] = {}
         # Read at every append: ints, not properties.
         self._fixed_capacity = self._values_capacity = self._device_value_words = self._spill_words = 0
+        self._requested = (fixed_words, value_words, spill_words)  # before rounding: what plans compare
         if fixed_words == 0:
             self._update_hold_allowance()
             return
         values_start = -(-fixed_words // ALIGN_WORDS) * ALIGN_WORDS
-        if spill_words and self._cuda:
-            step = granularity(self._device_index) // WORD_BYTES
-            device_words = -(-(values_start + value_words) // step) * step
-            host_words = -(-(spill_words + 1) // step) * step
-            self._buffer = device_then_host(self.device, device_words * WORD_BYTES, host_words * WORD_BYTES)
+        if spill_words:
+            # Both parts are mapped in whole units of the driver's granularity.
+            unit = granularity(self._device_index) // WORD_BYTES if self._cuda else self._cpu_mapping_words
+            device_words = -(-(values_start + value_words) // unit) * unit
+            host_words = -(-(spill_words + 1) // unit) * unit
             value_words, spill_words = device_words - values_start, host_words - 1
+            if self._cuda:
+                self._buffer = device_then_host(self.device, device_words * WORD_BYTES, host_words * WORD_BYTES)
+            else:
+                self._buffer = torch.empty(device_words + host_words, dtype=torch.int32)
         else:
-            words = values_start + value_words + spill_words + 1
+            words = values_start + value_words + 1
             self._buffer = torch.empty(words, dtype=torch.int32, device=self.device)
         self._fixed_capacity, self._device_value_words, self._spill_words = fixed_words, value_words, spill_words
         self._values_capacity = value_words + spill_words
@@ -523,8 +532,7 @@ class Arena:
                 return math.ceil(demand * HEADROOM)
             return current
 
-        allocated = (self._fixed_capacity, self._device_value_words, self._spill_words)
-        current = self._planned or allocated
+        current = self._planned or self._requested
         fixed, values = planned(current[0], fixed_demand), planned(current[1], values_demand)
         spill = 0
         if self.spills:
@@ -536,6 +544,6 @@ class Arena:
                 spill = min(spill, int(share) // WORD_BYTES)
             spill = planned(current[2], spill) if spill else 0
         plan = (fixed, values, spill)
-        if plan != allocated:
+        if plan != self._requested:
             self._allocate(0, 0)  # released now, allocated when first needed
             self._planned = plan

@@ -616,6 +616,19 @@ def test_a_device_then_host_buffer_holds_a_stream_across_its_two_parts(dtype, si
     gc.collect()  # released (after the device finished with it)
 
 
+def test_a_steady_demand_keeps_a_buffer_whose_parts_were_rounded_up(monkeypatch):
+    # Parts mapped in units of 1 MiB of words, far above this demand: the plans compare with
+    # what was asked for, not with the rounded sizes, or the buffer would be remade every step.
+    monkeypatch.setattr(Arena, "_cpu_mapping_words", 1 << 18)
+    arena = spilling(values_demand=2000, most_value_words=20_000)
+    assert arena.device_value_words + arena.values.words.storage_offset() == 1 << 18
+    assert arena.values_capacity_words == 2 * (1 << 18) - 1 - arena.values.words.storage_offset()
+    buffer = arena.values.words
+    for _ in range(3):
+        assert arena.begin_step(1000, 2000, 200_000, 20_000) and arena.reserve_fixed(1) is not None
+        assert arena.values.words is buffer
+
+
 def test_appends_within_the_spill_region_are_sure_and_counted_as_spilled():
     arena = spilling(values_demand=2000, most_value_words=20_000)
     device = SimulatedDevice(arena)
