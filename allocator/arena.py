@@ -53,6 +53,7 @@ from __future__ import annotations
 import collections
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -180,6 +181,8 @@ class Arena:
         """What the step's tensors are expected to take dense (see ``begin_step``)."""
         self._asynchronous = self._cuda if asynchronous is None else asynchronous
         self.spill = spill
+        self._spill_refused = False
+        """Whether mapping a spill region failed (no room, or a driver that refuses)."""
         self.resize(capacity_bytes)
         self._report_slots: list[torch.Tensor] = []
         self._report_ends: list = []  # NumPy views of the slots, read without a CUDA call
@@ -215,13 +218,16 @@ class Arena:
     @property
     def spills(self) -> bool:
         """Whether the arena continues its value region in host memory (see ``spill``)."""
-        return self.spill and self._asynchronous and (not self._cuda or granularity(self._device_index) is not None)
+        if not self.spill or not self._asynchronous or self._spill_refused:
+            return False
+        return not self._cuda or granularity(self._device_index) is not None
 
     def _allocate(self, fixed_words: int, value_words: int, spill_words: int = 0) -> None:
         """A new buffer: ``fixed_words``, then from the next multiple of ``ALIGN_WORDS``
-        ``value_words`` of device memory and ``spill_words`` of host memory (on CUDA, both rounded up to the
-        mapping's granularity) for values, and the guard (see ValueBuffer); none when
-        ``fixed_words`` is 0. The old one is released first."""
+        ``value_words`` of device memory and ``spill_words`` of host memory for values (both
+        parts rounded up to the mapping's granularity), and the guard (see ValueBuffer); none
+        when ``fixed_words`` is 0. Without a spill region when it cannot be mapped (with a
+        warning). The old buffer is released first."""
         if self._leases:
             raise RuntimeError("the arena cannot be resized while its contents are leased")
         # Nothing may keep the old buffer alive while the new one is allocated.
@@ -239,18 +245,35 @@ class Arena:
             unit = granularity(self._device_index) // WORD_BYTES if self._cuda else self._cpu_mapping_words
             device_words = -(-(values_start + value_words) // unit) * unit
             host_words = -(-(spill_words + 1) // unit) * unit
-            value_words, spill_words = device_words - values_start, host_words - 1
-            if self._cuda:
-                self._buffer = device_then_host(self.device, device_words * WORD_BYTES, host_words * WORD_BYTES)
-            else:
-                self._buffer = torch.empty(device_words + host_words, dtype=torch.int32)
-        else:
+            try:
+                self._buffer = self._mapped_buffer(device_words, host_words)
+                value_words, spill_words = device_words - values_start, host_words - 1
+            except RuntimeError as error:  # torch.OutOfMemoryError included
+                # No worse off than without a spill region: this arena goes on without one.
+                self._spill_refused = True
+                spill_words = 0
+                self._requested = (fixed_words, value_words, 0)
+                warnings.warn(
+                    f"BitSparse could not map its arena's spill region in host memory ({error}); it goes on "
+                    "without one, holding tensors it is not sure of room for until the GPU confirms them. "
+                    "Pass host_spill=False to keep from trying.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        if not spill_words:
             words = values_start + value_words + 1
             self._buffer = torch.empty(words, dtype=torch.int32, device=self.device)
         self._fixed_capacity, self._device_value_words, self._spill_words = fixed_words, value_words, spill_words
         self._values_capacity = value_words + spill_words
         self.values = ValueBuffer.over(self._buffer[values_start:], self._counters)
         self._update_hold_allowance()
+
+    def _mapped_buffer(self, device_words: int, host_words: int) -> torch.Tensor:
+        """``device_words`` of device memory followed by ``host_words`` of host memory, in
+        one range of addresses (a simulating CPU arena's are all host memory)."""
+        if self._cuda:
+            return device_then_host(self.device, device_words * WORD_BYTES, host_words * WORD_BYTES)
+        return torch.empty(device_words + host_words, dtype=torch.int32)
 
     def _make_start_slots(self, count: int) -> None:
         self._start_slots = ()  # the old slots are released first
@@ -471,9 +494,9 @@ class Arena:
         demand is known, plans each region at the expected demand times ``HEADROOM`` when that
         is above ``GROW_WHEN_ABOVE`` of its size or under half of it; the spill region's
         demand is ``most_value_words`` less the value region's device part, capped at this
-        device's share of ``SPILL_SHARE_OF_HOST`` of the host's available memory. A region that changes is
-        released now and allocated again at the first ``reserve_fixed``. The step's hold
-        allowance is ``dense_words`` less the arena's device memory.
+        device's share of ``SPILL_SHARE_OF_HOST`` of the host's available memory. A region
+        that changes is released now and allocated again at the first ``reserve_fixed``. The
+        step's hold allowance is ``dense_words`` less the arena's device memory.
         """
         if self._leases:
             return False

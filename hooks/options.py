@@ -47,14 +47,15 @@ class Options:
         recompute_squares: restore ``relu(x) ** 2`` from the stored ``relu(x)``, with the op
             the forward used, rather than storing it too.
         host_spill: on CUDA, continue the arena's value region in pinned host memory (up to
-            a quarter of the host's available memory, divided among its GPUs), sized from the second step on for
-            the most the last step's tensors could take beyond the device part. The arena is
-            then sure of room for every tensor: none is held dense or waited for, and values
-            that outrun the device part (a step sparser than the last) go to host memory and
-            are read from there in backward. Such an arena is mapped through CUDA's virtual
-            memory API, outside PyTorch's caching allocator (``torch.cuda.memory_allocated``
-            leaves it out; ``stats().arena_reserved`` has it). Ignored where the driver
-            cannot map host memory (before CUDA 12.2) and off CUDA.
+            a quarter of the host's available memory, divided among its GPUs), sized from
+            the second step on for the most the last step's tensors could take beyond the
+            device part. The arena is then sure of room for a step like the last: no tensor
+            is held dense or waited for, and values that outrun the device part (a step
+            sparser than the last) go to host memory and are read back in backward. Such an
+            arena is mapped through CUDA's virtual memory API, outside PyTorch's caching
+            allocator (``torch.cuda.memory_allocated`` leaves it out; ``stats().arena_reserved``
+            has it). Ignored off CUDA and where the driver cannot map host memory (before
+            CUDA 12.2); where mapping fails (no room), the arena goes on without it and warns.
 
     Raises:
         TypeError: an option of the wrong type.

@@ -629,6 +629,20 @@ def test_a_steady_demand_keeps_a_buffer_whose_parts_were_rounded_up(monkeypatch)
         assert arena.values.words is buffer
 
 
+def test_a_spill_region_that_cannot_be_mapped_leaves_an_arena_without_one(monkeypatch):
+    def refused(arena, device_words, host_words):
+        raise torch.OutOfMemoryError("no room for pinned host memory")
+
+    monkeypatch.setattr(Arena, "_mapped_buffer", refused)
+    with pytest.warns(RuntimeWarning, match="could not map its arena's spill region"):
+        arena = spilling(values_demand=2000, most_value_words=20_000)
+    assert arena.spill_bytes == 0 and arena.values_capacity_words == arena.device_value_words >= 2000
+    assert not arena.spills  # not tried again, and the buffer is kept
+    buffer = arena.values.words
+    assert arena.begin_step(1000, 2000, 200_000, 20_000) and arena.reserve_fixed(1) is not None
+    assert arena.values.words is buffer
+
+
 def test_appends_within_the_spill_region_are_sure_and_counted_as_spilled():
     arena = spilling(values_demand=2000, most_value_words=20_000)
     device = SimulatedDevice(arena)
