@@ -141,22 +141,25 @@ class _Mapping:
     def _release(self) -> None:
         if sys.is_finalizing():  # the driver frees everything at exit, and may be gone already
             return
-        try:
-            if self._mapped:
-                # Kernels queued on any stream may still use the range: unmapping under them is
-                # undefined, so the release waits for the device (buffers are released rarely,
-                # between steps).
-                torch.cuda.synchronize(self._device)
-        finally:
-            if self._mapped:
-                _driver().cuMemUnmap(ctypes.c_ulonglong(self._address.value), ctypes.c_size_t(self._mapped))
-                self._mapped = 0
-            for handle in self._handles:
-                _driver().cuMemRelease(handle)
-            self._handles = []
-            if self._address.value:
-                _driver().cuMemAddressFree(ctypes.c_ulonglong(self._address.value), ctypes.c_size_t(self.size))
-                self._address = ctypes.c_ulonglong(0)
+        # The driver calls act on the current context, and the last tensor over the range may
+        # die in a thread that has none (autograd's).
+        with torch.cuda.device(self._device):
+            try:
+                if self._mapped:
+                    # Kernels queued on any stream may still use the range: unmapping under them
+                    # is undefined, so the release waits for the device (buffers are released
+                    # rarely, between steps).
+                    torch.cuda.synchronize(self._device)
+            finally:
+                if self._mapped:
+                    _driver().cuMemUnmap(ctypes.c_ulonglong(self._address.value), ctypes.c_size_t(self._mapped))
+                    self._mapped = 0
+                for handle in self._handles:
+                    _driver().cuMemRelease(handle)
+                self._handles = []
+                if self._address.value:
+                    _driver().cuMemAddressFree(ctypes.c_ulonglong(self._address.value), ctypes.c_size_t(self.size))
+                    self._address = ctypes.c_ulonglong(0)
 
     def __del__(self):
         self._release()
