@@ -255,8 +255,8 @@ class Arena:
                 self._requested = (fixed_words, value_words, 0)
                 warnings.warn(
                     f"BitSparse could not map its arena's spill region in host memory ({error}); it goes on "
-                    "without one, holding tensors it is not sure of room for until the GPU confirms them. "
-                    "Pass host_spill=False to keep from trying.",
+                    "without one (and does not try again), holding the tensors it is not sure of room for until "
+                    "the GPU confirms them. host_spill=False turns the spill region off.",
                     RuntimeWarning,
                     stacklevel=2,
                 )
