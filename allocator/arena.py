@@ -12,8 +12,11 @@ encoder records where its values begin.
 
 The host learns how far the value cursor went asynchronously: each append on CUDA gets a
 *report slot* (``next_report``), a word of pinned host memory that its encoder sets to the
-end of the append plus one when it finishes; ``poll`` reads the slots, with no CUDA call and
-without blocking, and reports each append's end to its callback (given to ``submit``).
+end of the append plus one when it finishes. Reports are read in order, with no CUDA call:
+``poll`` (never blocking) delivers those that have arrived when some caller waits for one (a
+callback given to ``submit``, or memory held for a throttled append), ``drain`` delivers
+all, and ``ends`` lists where each append ended. An append sure to fit needs nothing
+delivered before the step's end, so most appends cost the host no more than taking a slot.
 
 The host also knows how far the cursor can be at most: where the last report put it, plus
 the most that every unreported append can take (its caller says how much, from the shape).
@@ -109,12 +112,14 @@ class ArenaUsage:
 
 
 class Lease:
-    """A claim on the arena's current contents; release it (once) when they are not needed."""
+    """A claim on the arena's contents, opened by making it (``Arena.open_lease``); release
+    it (once) when they are not needed. A subclass may add what its owner counts."""
 
     __slots__ = ("_arena", "__weakref__")
 
     def __init__(self, arena: "Arena"):
         self._arena = arena
+        arena._leases += 1
 
     def release(self) -> None:
         if self._arena is not None:
@@ -191,11 +196,12 @@ class Arena:
         # next_report throttled it (0 when not).
         self._claims: list[tuple[int, int]] = []
         self._pending: collections.deque = collections.deque()
+        """(slot, callback or None) of the submitted appends not delivered yet, in order."""
+        self._awaited = 0
+        """Pending appends whose delivery someone waits for: with a callback, or throttled."""
         self._throttled = 0
         self._held_words = 0
         """Words the callers of the unconfirmed throttled appends hold."""
-        self._step = 0
-        self._last_report = (0, 0)
         self._empty()
 
     # -- layout -------------------------------------------------------------------------
@@ -358,28 +364,33 @@ class Arena:
 
     # -- confirmation ---------------------------------------------------------------------
 
-    def next_report(self, max_words: int, held_words: int) -> tuple[int | None, torch.Tensor | None, bool]:
+    def next_report(self, max_words: int, held_words: int) -> tuple[int, torch.Tensor | None, bool]:
         """A report slot for the next append, whose values take at most ``max_words`` words
         and whose caller holds ``held_words`` words of memory until it is confirmed (0:
-        nothing): its number, for ``submit``, the word to pass to the codec, and whether the
-        append is sure to fit (``(None, None, False)`` off CUDA, where ``submit`` reads the
-        cursor and reports at once).
+        nothing): its number, for ``submit``, the word to pass to the codec (None off CUDA,
+        where ``submit`` reads the cursor and reports at once), and whether the append is sure
+        to fit (never off CUDA).
 
-        An append that holds memory and is not sure to fit is throttled: while ``window``
-        throttled appends are unconfirmed, or one is and this one's memory would take the held
-        words past the hold allowance, it first waits for reports, oldest first, until neither
-        holds or the reports make it sure.
+        An append that is not sure to fit first takes the reports that have arrived. One that
+        holds memory and is still not sure is throttled: while ``window`` throttled appends
+        are unconfirmed, or one is and this one's memory would take the held words past the
+        hold allowance, it first waits for reports, oldest first, until neither holds or the
+        reports make it sure.
         """
+        if not self._free_reports:
+            self._add_report_slots()
+        slot = self._free_reports.pop()
         if not self._asynchronous:
-            return None, None, False
+            self._claims[slot] = (0, 0)
+            return slot, None, False
         sure = self._sure_to_fit(max_words)
+        if not sure and self._pending:
+            self._deliver_arrived()
+            sure = self._sure_to_fit(max_words)
         while held_words and not sure and self._must_wait(held_words):
             self._window_waits += 1
             self._deliver(wait=True)
             sure = self._sure_to_fit(max_words)
-        if not self._free_reports:
-            self._add_report_slots()
-        slot = self._free_reports.pop()
         self._report_ends[slot][0] = 0
         self._claims[slot] = (max_words, 0 if sure else held_words)
         self._unreported_words += max_words
@@ -395,9 +406,7 @@ class Arena:
 
     def _sure_to_fit(self, max_words: int) -> bool:
         """Whether ``max_words`` more words fit however much the unreported appends take."""
-        last_step, last_end = self._last_report
-        reported = last_end if last_step == self._step else 0
-        return reported + self._unreported_words + max_words <= self._values_capacity
+        return self._last_end + self._unreported_words + max_words <= self._values_capacity
 
     def _add_report_slots(self) -> None:
         ends = torch.zeros(REPORT_SLOTS, dtype=torch.int64, pin_memory=self._cuda)
@@ -407,27 +416,41 @@ class Arena:
         self._claims.extend([(0, 0)] * REPORT_SLOTS)
         self._free_reports.extend(range(first + REPORT_SLOTS - 1, first - 1, -1))
 
-    def submit(self, slot: int | None, on_end: Callable[[int, int], None]) -> None:
-        """Report to ``on_end(start, end)`` the value words appended since the last ``submit``
-        since the arena was emptied: ``start`` is the cursor then, ``end`` after the append.
+    def submit(self, slot: int, on_end: Callable[[int, int], None] | None = None) -> int:
+        """Submit the append given ``slot`` by ``next_report``; return its number among the
+        appends since the arena was emptied (its place in ``ends``).
 
-        On CUDA the report comes from a later ``poll`` (the append must have been given the
-        word of ``slot`` from ``next_report``); elsewhere it comes at once. An append that
-        ``next_report`` throttled counts in the window until its report is delivered.
+        ``on_end(start, end)``, when given, receives the value words it appended: ``start``
+        is the cursor after the append before it, ``end`` after it. On CUDA it comes from a
+        later ``poll`` (the append must have been given the word of ``slot``); elsewhere at
+        once. An append that ``next_report`` throttled counts in the window until its report
+        is delivered. Reports that no callback or throttled append waits for are delivered
+        by ``drain`` (or by a later append that needs them to be sure).
         """
+        number = self._appends
         self._appends += 1
         if not self._asynchronous:
-            self._record_end(int(self.cursor), on_end, self._step)
-            return
-        self._pending.append((slot, self._step, on_end))
+            self._report_ends[slot][0] = int(self.cursor) + 1
+            self._pending.append((slot, on_end))
+            self._deliver(wait=False)
+            return number
+        self._pending.append((slot, on_end))
         held = self._claims[slot][1]
         if held:
             self._throttled += 1
             self._held_words += held
+        if held or on_end is not None:
+            self._awaited += 1
+        return number
 
     def poll(self) -> None:
-        """Deliver the reports that have arrived; never blocks."""
-        while self._pending and self._report_ends[self._pending[0][0]][0]:
+        """Deliver the reports that have arrived, if any delivery is waited for; never blocks."""
+        if self._awaited:
+            self._deliver_arrived()
+
+    def _deliver_arrived(self) -> None:
+        pending, ends = self._pending, self._report_ends
+        while pending and ends[pending[0][0]][0]:
             self._deliver(wait=False)
 
     def drain(self) -> None:
@@ -435,18 +458,29 @@ class Arena:
         while self._pending:
             self._deliver(wait=True)
 
+    def ends(self) -> list[int]:
+        """The value cursor after each append since the arena was emptied, in order, as far as
+        delivered (``drain`` delivers all): append ``n`` (from ``submit``) took the words from
+        ``ends[n - 1]`` (0 for the first) to ``ends[n]``, or would have (see ``fits``)."""
+        return self._ends
+
     def _deliver(self, wait: bool) -> None:
-        slot, step, callback = self._pending.popleft()
+        slot, callback = self._pending.popleft()
         words, held = self._claims[slot]
         if held:
             self._throttled -= 1
             self._held_words -= held
-        if wait:
+        if held or callback is not None:
+            self._awaited -= 1
+        if wait and not self._report_ends[slot][0]:
             self._wait_for(slot)
         end = int(self._report_ends[slot][0]) - 1
         self._unreported_words -= words
         self._free_reports.append(slot)
-        self._record_end(end, callback, step)
+        start, self._last_end = self._last_end, end
+        self._ends.append(end)
+        if callback is not None:
+            callback(start, end)
 
     def _wait_for(self, slot: int) -> None:
         """Spin until the slot's report arrives; after ``REPORT_TIMEOUT_S``, synchronize the
@@ -462,19 +496,10 @@ class Arena:
                         "(next_report) and queued on this device?"
                     )
 
-    def _record_end(self, end: int, callback: Callable[[int, int], None], step: int) -> None:
-        last_step, last_end = self._last_report
-        start = last_end if last_step == step else 0
-        self._last_report = (step, end)
-        if step == self._step:
-            self._values_demand = max(self._values_demand, end)
-        callback(start, end)
-
     # -- life cycle -----------------------------------------------------------------------
 
     def open_lease(self) -> Lease:
         """Claim the arena's contents: ``begin_step`` keeps them until the lease is released."""
-        self._leases += 1
         return Lease(self)
 
     @property
@@ -508,7 +533,6 @@ class Arena:
         # Every append of the last step (measured ones too) may need a start word in this one.
         if self._appends > len(self._start_slots):
             self._make_start_slots(math.ceil(self._appends * HEADROOM))
-        self._step += 1
         self.cursor.zero_()
         self._empty()
         return True
@@ -516,7 +540,9 @@ class Arena:
     def _empty(self) -> None:
         self._fixed_used = 0
         self._fixed_demand = 0
-        self._values_demand = 0
+        self._last_end = 0
+        """The cursor after the last delivered append (where the next one starts)."""
+        self._ends: list[int] = []
         self._starts_used = 0
         self._appends = 0
         self._window_waits = 0
@@ -533,10 +559,10 @@ class Arena:
             reserved=self.reserved_bytes,
             values_capacity=self._device_value_words * WORD_BYTES,
             spill_capacity=self._spill_words * WORD_BYTES,
-            spilled=max(0, min(self._values_demand, self._values_capacity) - self._device_value_words) * WORD_BYTES,
+            spilled=max(0, min(self._last_end, self._values_capacity) - self._device_value_words) * WORD_BYTES,
             fixed_used=self._fixed_used * WORD_BYTES,
             fixed_demand=self._fixed_demand * WORD_BYTES,
-            values_demand=self._values_demand * WORD_BYTES,
+            values_demand=self._last_end * WORD_BYTES,
             window_waits=self._window_waits,
         )
 

@@ -18,7 +18,7 @@ import weakref
 import psutil
 import torch
 
-from bitsparse.allocator import Arena
+from bitsparse.allocator import Arena, Lease
 from bitsparse.codecs import get_codec
 from bitsparse.compressed import MAX_NUMEL
 from bitsparse.format import SUPPORTED_DTYPES, TileGeometry
@@ -322,13 +322,16 @@ class Session:
             site.codec.measure(
                 x, arena.cursor, arena.appends, site.spec, self._geometry, site.sign_pack, report, square
             )
-            arena.submit(slot, _measured(collector, site, arena))
+            collector.appends.append((arena, arena.submit(slot), site, False))
             return self._kept_dense(t, site, "arena_full")
         if site.values is not arena.values:
             site.prepare(arena.values, self._geometry, report is not None)
         base = arena.next_start()
         site.encode(x, fixed, base, collector.nonzeros_counter(arena.device), report, square)
         handle = StoredTensor(t, site, fixed, base, _Lease(self, arena), held=not sure)
+        # A held tensor's dense copy goes when the arena confirms that its values fit.
+        number = arena.submit(slot, None if sure else _confirmation(weakref.ref(handle), self, arena))
+        collector.appends.append((arena, number, site, True))
         if sure and arena.stream is not None:
             # t's memory may return to the caching allocator before the encoder has read it:
             # memory of another stream is then handed out only after the encoder.
@@ -338,7 +341,6 @@ class Session:
         stats.tensors_compressed += 1
         stats.dense_bytes += site.dense_bytes
         collector.numel += site.numel
-        arena.submit(slot, _confirmation(weakref.ref(handle), self, collector, site, arena))
         return handle
 
     def _kept_dense(self, t: torch.Tensor, site: Site, reason: str) -> StoredTensor:
@@ -462,7 +464,7 @@ class Session:
         # store, or steps of several threads interleaved) keeps its size.
         demand = dict.fromkeys(self._arenas.values(), (None, None, 0, 0))
         by_name: dict = {}  # several Site objects may share a name (strides, options)
-        for site, (arena, dense_bytes, fixed_words, value_words, most_words) in self._collector.sites.items():
+        for site, (arena, dense_bytes, fixed_words, value_words, most_words) in self._collector.account()[0].items():
             totals = by_name.setdefault(site.name, [arena, 0, 0, 0, 0])
             totals[1] += dense_bytes
             totals[2] += fixed_words
@@ -553,49 +555,37 @@ def _same_geometry(handle: Handle, t: torch.Tensor) -> bool:
     return (t.shape, t.stride(), t.storage_offset() - handle.start) == (handle.size, handle.stride, handle.offset)
 
 
-class _Lease:
+class _Lease(Lease):
     """An arena lease that also counts the session's live tensors; released when dropped,
     whatever dropped it (an exception while storing included)."""
 
-    __slots__ = ("_session", "_lease")
+    __slots__ = ("_session",)
 
     def __init__(self, session: Session, arena: Arena):
-        self._session, self._lease = session, arena.open_lease()
+        super().__init__(arena)
+        self._session = session
         session._live += 1
 
     def __del__(self):
         with self._session._lock:
-            self._lease.release()
+            self.release()
             self._session._released()
 
 
-def _confirmation(handle_ref, session: Session, collector: StepCollector, site: Site, arena):
-    """The callback an arena calls with where a stored tensor's values started and ended."""
+def _confirmation(handle_ref, session: Session, arena: Arena):
+    """The callback an arena calls with where a held tensor's values started and ended: the
+    handle lets its dense copy go if they fit, and keeps it for good if not (a fallback,
+    which the step's accounting counts)."""
 
     def confirm(start: int, end: int) -> None:
         fits = end <= arena.values_capacity_words
-        stats = collector.stats
-        stats.stored_bytes += 4 * (site.fixed_words + end - start) if fits else site.dense_bytes
-        if fits and end > arena.device_value_words:
-            stats.spilled_bytes += 4 * (end - max(start, arena.device_value_words))
-        collector.add_site(site, arena, end - start)
         if not fits:
-            collector.fallbacks["arena_full"] += 1
             session._warn_if_stale()
         handle = handle_ref()
         if handle is not None:
             handle.confirm(fits)
 
     return confirm
-
-
-def _measured(collector: StepCollector, site: Site, arena):
-    """The callback an arena calls with where a measured tensor's values would have gone."""
-
-    def record(start: int, end: int) -> None:
-        collector.add_site(site, arena, end - start)
-
-    return record
 
 
 def _capacity_bytes(device: torch.device, capacity: int | float) -> int:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from bitsparse.allocator.arena import WORD_BYTES
+
 
 @dataclass
 class Stats:
@@ -87,13 +89,9 @@ class Stats:
 
 
 class StepCollector:
-    """Counters of one step, filled in by packs and by the arenas' asynchronous reports.
-
-    ``sites`` sums, per save site (a ``Site``: keyed by the object, whose hash costs less than
-    its name's), the bytes its tensors take dense, the arena words they take or would take
-    (measured ones included) and the most value words they could take: what pays, and what
-    the next step needs.
-    """
+    """Counters of one step, filled in by packs; what its appends took is read from the
+    arenas at its end (``account``): per save site (a ``Site``: keyed by the object, whose
+    hash costs less than its name's), what pays and what the next step needs."""
 
     def __init__(self, step: int):
         self.stats = Stats(step=step)
@@ -108,7 +106,9 @@ class StepCollector:
         self.arenas: set = set()
         self.leased = False
         """Whether a tensor of this step was stored in an arena (not only measured)."""
-        self.sites: dict[object, list] = {}
+        self.appends: list[tuple] = []
+        """``(arena, number, site, stored)`` per append of the step (``Arena.submit``'s number;
+        ``stored``: compressed, not only measured), read by ``account``."""
 
     def nonzeros_counter(self, device: torch.device) -> torch.Tensor:
         """The device counter the encoders of this step add their stored elements to."""
@@ -117,17 +117,34 @@ class StepCollector:
             counter = self.nonzeros[device] = torch.zeros(1, dtype=torch.int64, device=device)
         return counter
 
-    def add_site(self, site, arena, value_words: int) -> None:
-        """Count a tensor of ``site`` (a ``hooks.handles.Site``) that takes (or would take)
-        ``value_words`` of ``arena`` besides its fixed words."""
-        totals = self.sites.get(site)
-        if totals is None:
-            self.sites[site] = [arena, site.dense_bytes, site.fixed_words, value_words, site.max_value_words]
-        else:
-            totals[1] += site.dense_bytes
-            totals[2] += site.fixed_words
-            totals[3] += value_words
-            totals[4] += site.max_value_words
+    def account(self) -> tuple[dict, int, int, int]:
+        """What the step's appends took, once the arenas delivered their ends (``drain``):
+        per save site (a ``hooks.handles.Site``), ``[arena, dense bytes, fixed words, value
+        words, most value words]``, with measured tensors; and, for the stored ones, the bytes
+        they take, the bytes of them in host memory and how many did not fit (and are kept
+        dense)."""
+        sites: dict[object, list] = {}
+        stored_bytes = spilled_bytes = unfit = 0
+        for arena, number, site, stored in self.appends:
+            ends = arena.ends()
+            start, end = ends[number - 1] if number else 0, ends[number]
+            totals = sites.get(site)
+            if totals is None:
+                sites[site] = [arena, site.dense_bytes, site.fixed_words, end - start, site.max_value_words]
+            else:
+                totals[1] += site.dense_bytes
+                totals[2] += site.fixed_words
+                totals[3] += end - start
+                totals[4] += site.max_value_words
+            if not stored:
+                continue
+            if end <= arena.values_capacity_words:
+                stored_bytes += WORD_BYTES * (site.fixed_words + end - start)
+                spilled_bytes += WORD_BYTES * max(0, end - max(start, arena.device_value_words))
+            else:
+                stored_bytes += site.dense_bytes
+                unfit += 1
+        return sites, stored_bytes, spilled_bytes, unfit
 
     def finish(self, tensors_alive: int, arena_reserved: int, spill_reserved: int) -> Stats:
         """The step's statistics; synchronizes once to read the device counters.
@@ -138,10 +155,14 @@ class StepCollector:
         for arena in self.arenas:
             arena.drain()
         s = copy.copy(self.stats)
+        _, stored_bytes, s.spilled_bytes, unfit = self.account()
+        s.stored_bytes += stored_bytes
         skipped = Counter(self.skipped)
         skipped.update({"small": self.kept_small, "not_relu_family": self.kept_unrelated})
         s.tensors_skipped = {reason: n for reason, n in skipped.items() if n}
         s.fallbacks = dict(self.fallbacks)
+        if unfit:
+            s.fallbacks["arena_full"] = s.fallbacks.get("arena_full", 0) + unfit
         s.tensors_seen += sum(s.tensors_skipped.values())
         nonzeros = sum(int(n) for n in self.nonzeros.values())
         s.zero_fraction = 1 - nonzeros / self.numel if self.numel else 0.0

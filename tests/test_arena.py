@@ -52,7 +52,7 @@ class Store:
         fixed = self.arena.reserve_fixed(fixed_words(x.numel()))
         max_words = GEOMETRY.max_stream_words(x.numel(), 32)
         slot, report, sure = self.arena.next_report(max_words, max_words if fixed is not None else 0)
-        assert (slot, report, sure) == (None, None, False), "on the CPU, submit reads the cursor itself"
+        assert (report, sure) == (None, False), "on the CPU, submit reads the cursor itself"
         if fixed is None:
             torch_codec.measure(x, self.arena.cursor, self.arena.appends, dtype_spec(x.dtype), GEOMETRY, False)
             c = None
@@ -60,8 +60,10 @@ class Store:
             base = self.arena.next_start()
             c = compress_into(x, torch_codec, GEOMETRY, self.arena.values, fixed, False, base=base)
         before = len(self.reports)
-        self.arena.submit(slot, lambda start, end: self.reports.append((start, end)))
+        number = self.arena.submit(slot, lambda start, end: self.reports.append((start, end)))
         assert len(self.reports) == before + 1, "on the CPU, submit reports at once"
+        ends = self.arena.ends()
+        assert number == len(ends) - 1 and self.reports[-1] == (ends[number - 1] if number else 0, ends[number])
         return c
 
 
@@ -219,7 +221,8 @@ def test_submit_without_appending_reports_an_empty_range():
     store = Store(arena)
     store(relu_like(4096, 0.5))
     reports = []
-    arena.submit(None, lambda s, e: reports.append((s, e)))
+    slot, _, _ = arena.next_report(0, 0)
+    arena.submit(slot, lambda s, e: reports.append((s, e)))
     end = store.reports[-1][1]
     assert reports == [(end, end)]
 
@@ -461,13 +464,15 @@ def test_resize_refused_while_leased():
 
 
 class SimulatedDevice:
-    """Plays the GPU for an asynchronous CPU arena: runs appends when told, moving the cursor
-    by the words each takes and setting its report word as an encoder does."""
+    """Plays the GPU for an asynchronous CPU arena: runs appends when told, or when the arena
+    waits for one (the GPU catching up to it), moving the cursor by the words each takes and
+    setting its report word as an encoder does."""
 
     def __init__(self, arena: Arena):
         self.arena = arena
         self.queued: list[tuple[torch.Tensor, int]] = []
         self.reports: list[tuple[int, int]] = []
+        arena._wait_for = self._catch_up
 
     def append(self, max_words: int, words: int, held_words: int | None = None) -> bool:
         """Queue an append that takes ``words`` (at most ``max_words``) and whose caller holds
@@ -485,6 +490,12 @@ class SimulatedDevice:
             report.copy_(self.arena.cursor + 1)
         del self.queued[:appends]
 
+    def _catch_up(self, slot: int) -> None:
+        report = self.arena._report_slots[slot]
+        while not int(report):
+            assert self.queued, "a wait for an append that was never queued"
+            self.run(1)
+
 
 def test_sure_appends_are_not_throttled_and_reports_make_others_sure():
     arena = Arena("cpu", 4 * 4096, fixed_fraction=0.25, window=1, asynchronous=True)  # 3071 value words
@@ -493,9 +504,8 @@ def test_sure_appends_are_not_throttled_and_reports_make_others_sure():
     assert [device.append(1000, 400) for _ in range(3)] == [True, True, True]  # 3000 <= 3071
     assert not device.append(1000, 400)  # 4000 > 3071: throttled, the first one
     assert arena._throttled == 1 and arena.usage().window_waits == 0
-    device.run(4)  # the GPU caught up; nothing polled the reports yet
-    # The next waits for reports, oldest first, until the one throttled append is confirmed;
-    # then the cursor is known to be at 1600, and 1600 + 1000 <= 3071.
+    # The next waits for reports, oldest first (the GPU catching up to each), until the one
+    # throttled append is confirmed; then the cursor is known to be at 1600, and 1600 + 1000 <= 3071.
     assert device.append(1000, 400)
     assert arena.usage().window_waits == 4 and arena._throttled == 0
     assert device.reports == [(0, 400), (400, 800), (800, 1200), (1200, 1600)]
@@ -508,12 +518,22 @@ def test_sure_appends_are_not_throttled_and_reports_make_others_sure():
     assert not device.append(1, 1)  # past the end: nothing is sure
 
 
+def test_reports_that_arrived_make_an_append_sure_without_a_wait():
+    arena = Arena("cpu", 4 * 4096, fixed_fraction=0.25, window=1, asynchronous=True)  # 3071 value words
+    device = SimulatedDevice(arena)
+    assert device.append(2000, 100) and device.append(500, 100)
+    assert not device.append(1000, 100)  # 3500 > 3071: throttled
+    device.run(3)  # the GPU caught up; nothing delivered the reports yet
+    assert device.reports == []
+    assert device.append(2000, 100)  # the reports put the cursor at 300: 2300 <= 3071
+    assert arena.usage().window_waits == 0 and arena._throttled == 0 and len(device.reports) == 3
+
+
 def test_a_wait_stops_once_the_reports_make_the_append_sure():
     arena = Arena("cpu", 4 * 4096, fixed_fraction=0.25, window=1, asynchronous=True)  # 3071 value words
     device = SimulatedDevice(arena)
     assert device.append(2000, 100) and device.append(500, 100)
     assert not device.append(1000, 100)  # 3500 > 3071: throttled
-    device.run(1)
     # 4000 words at most: it waits, and the first report (100 words, not 2000) makes it sure
     # while the throttled append is still running: the wait stops there.
     assert device.append(500, 100)
@@ -537,7 +557,6 @@ def test_the_hold_allowance_bounds_the_held_appends_beyond_the_first():
     assert [device.append(1000, 400) for _ in range(3)] == [True, True, True]
     assert not device.append(1000, 400) and not device.append(1000, 400)  # 2000 words held
     assert arena._throttled == 2 and arena.usage().window_waits == 0
-    device.run(5)
     # 3000 words would pass the allowance: it waits, oldest first, until the first throttled
     # append is confirmed (1000 held: 2000 <= 2500).
     assert not device.append(1000, 400)
@@ -545,7 +564,6 @@ def test_the_hold_allowance_bounds_the_held_appends_beyond_the_first():
     assert device.reports == [(0, 400), (400, 800), (800, 1200), (1200, 1600)]
     arena, device = expecting(dense_words=6595)
     assert device.append(3000, 400) and not device.append(3000, 400)  # one copy: past the allowance
-    device.run(2)
     assert device.append(2000, 400)  # a second one waits for the first (and is sure then)
     assert arena.usage().window_waits == 2 and arena._throttled == 0
 
@@ -555,7 +573,6 @@ def test_the_window_bounds_the_held_appends():
     assert [device.append(1000, 400) for _ in range(3)] == [True, True, True]
     assert [device.append(1000, 400) for _ in range(3)] == [False] * 3
     assert arena._throttled == 3 and arena.usage().window_waits == 0
-    device.run(6)
     assert not device.append(2000, 400)  # waits until the first throttled one is confirmed
     assert arena._throttled == 3 and arena.usage().window_waits == 4
 
@@ -652,6 +669,7 @@ def test_appends_within_the_spill_region_are_sure_and_counted_as_spilled():
     device.run(19)
     arena.drain()
     assert arena.usage().window_waits == 0 and device.reports[-1] == (18 * 400, 19 * 400)
+    assert arena.ends() == [400 * n for n in range(1, 20)]
     usage = arena.usage()
     assert usage.values_capacity == arena.device_value_words * WORD_BYTES
     assert usage.spilled == (19 * 400 - arena.device_value_words) * WORD_BYTES
@@ -675,7 +693,8 @@ def test_reports_arrive_through_report_slots(device, window):
     codec = torch_codec
     if device == "cuda":
         from bitsparse.codecs import triton_codec as codec
-    # Room for about two of the tensors at most: the others are not sure to fit, and throttled.
+    # Room for about two of the tensors at most: the others are sure to fit only once the reports
+    # of earlier ones arrived (at once on the CPU), and throttled until then.
     arena = Arena(device, 4 * 600_000, window=window, asynchronous=True)
     reports, compressed, sure_appends = [], [], []
     tensors = [relu_like(n, 0.5, n).to(device) for n in (4096, 100_000, 1, 300_000, 4096 * 7, 200_000)]
@@ -692,7 +711,7 @@ def test_reports_arrive_through_report_slots(device, window):
             compressed.append(compress_into(x, codec, GEOMETRY, arena.values, fixed, False, None, report))
         arena.submit(slot, lambda start, end: reports.append((start, end)))
         assert arena._throttled <= window  # older appends were waited for
-    assert sure_appends[:2] == [True, True] and not all(sure_appends)
+    assert sure_appends[:2] == [True, True]
     arena.drain()
     ends = [end for _, end in reports]
     assert [start for start, _ in reports] == [0] + ends[:-1]

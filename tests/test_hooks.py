@@ -1076,9 +1076,10 @@ def test_held_tensors_stay_within_the_window_and_the_hold_allowance(reporting_ar
     submit = Arena.submit
     held = []
 
-    def recording_submit(arena, slot, on_end):
-        submit(arena, slot, on_end)
+    def recording_submit(arena, slot, on_end=None):
+        number = submit(arena, slot, on_end)
         held.append((arena._throttled, arena._held_words, arena._hold_allowance))
+        return number
 
     monkeypatch.setattr(Arena, "submit", recording_submit)
     torch.manual_seed(0)
