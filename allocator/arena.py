@@ -14,9 +14,10 @@ The host learns how far the value cursor went asynchronously: each append on CUD
 *report slot* (``next_report``), a word of pinned host memory that its encoder sets to the
 end of the append plus one when it finishes. Reports are read in order, with no CUDA call:
 ``poll`` (never blocking) delivers those that have arrived when some caller waits for one (a
-callback given to ``submit``, or memory held for a throttled append), ``drain`` delivers
-all, and ``ends`` lists where each append ended. An append sure to fit needs nothing
-delivered before the step's end, so most appends cost the host no more than taking a slot.
+callback given to ``submit``, or memory held for a throttled append) or all that have,
+``drain`` delivers all, and ``ends`` lists where each append ended. An append sure to fit
+needs nothing delivered before the step's end, so the forward, where the host often sets
+the pace, need not spend time on its report.
 
 The host also knows how far the cursor can be at most: where the last report put it, plus
 the most that every unreported append can take (its caller says how much, from the shape).
@@ -443,9 +444,10 @@ class Arena:
             self._awaited += 1
         return number
 
-    def poll(self) -> None:
-        """Deliver the reports that have arrived, if any delivery is waited for; never blocks."""
-        if self._awaited:
+    def poll(self, awaited_only: bool = False) -> None:
+        """Deliver the reports that have arrived (with ``awaited_only``, only if a callback
+        or a throttled append waits for one); never blocks."""
+        if self._awaited or not awaited_only:
             self._deliver_arrived()
 
     def _deliver_arrived(self) -> None:

@@ -426,17 +426,21 @@ class Session:
     # -- life cycle -------------------------------------------------------------------------
 
     def poll(self) -> None:
-        """Deliver the arenas' completed reports (never blocks)."""
+        """Deliver the arenas' reports that held tensors wait for, as far as they arrived
+        (never blocks): their dense copies go."""
         with self._lock:
             self._poll()
 
     def _poll(self) -> None:
+        """``poll`` with the lock held. The reports of tensors sure to fit wait for the backward
+        (``_settle_for_reads``): the forward spends no time on them."""
         for arena in self._arenas.values():
-            arena.poll()
+            arena.poll(awaited_only=True)
 
     def _settle_for_reads(self) -> None:
         """Deliver the arenas' reports, and make what they hold safe to decode on the current
-        stream (a tensor sure to fit may be unpacked before its encoder ran)."""
+        stream (a tensor sure to fit may be unpacked before its encoder ran). The backward
+        takes the reports that the forward left, so that the next step's start has few."""
         for arena in self._arenas.values():
             arena.poll()
             arena.order_reads()

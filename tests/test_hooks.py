@@ -983,7 +983,7 @@ def relu_of_linear(capacity: int):
 
 
 def test_a_tensor_sure_to_fit_is_not_held_until_its_report(reporting_arenas, monkeypatch):
-    monkeypatch.setattr(Arena, "poll", lambda self: None)  # no report is read
+    monkeypatch.setattr(Arena, "poll", lambda self, awaited_only=False: None)  # no report is read
     storage, y = relu_of_linear(capacity=ARENA)  # 196607 value words: sure of 131072
     gc.collect()
     assert storage() is None, "the dense ReLU output is still alive"
@@ -993,7 +993,7 @@ def test_a_tensor_sure_to_fit_is_not_held_until_its_report(reporting_arenas, mon
 def test_a_tensor_not_sure_to_fit_is_held_until_its_report(reporting_arenas, monkeypatch):
     # 89999 value words: not sure of 131072, room for the about 65536 it takes.
     poll = Arena.poll
-    monkeypatch.setattr(Arena, "poll", lambda self: None)
+    monkeypatch.setattr(Arena, "poll", lambda self, awaited_only=False: None)
     storage, y = relu_of_linear(capacity=480_000)
     gc.collect()
     assert storage() is not None
