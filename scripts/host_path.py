@@ -1,0 +1,104 @@
+"""The host time of BitSparse's own Python per saved tensor, without the GPU or its noise.
+
+``python scripts/host_path.py`` runs the chains of ``python -m bitsparse.bench hooks`` (each
+op saving its output: ``relu`` outputs are stored, ``tanh`` outputs skipped) on the CPU, with
+the session's arenas reporting through slots as on CUDA and with a codec that launches no
+kernel: it moves the value cursor by a tenth of each tensor's words and writes the report
+word, as an encoder's last program does. What it measures is everything a saved tensor costs
+the host apart from the kernel launches (the session, the arena, the handles, the accounting),
+as interleaved medians against plain autograd. On the H200's hosts the same path costs about
+as much again for the encoder's launch, and varies by a third from machine to machine; this
+measure varies by about a microsecond from run to run on one machine, so compare code with it
+(``PYTHONPATH`` pointing at another installed copy runs that one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import functools
+import pstats
+import statistics
+import time
+
+import torch
+
+import bitsparse
+from bitsparse.allocator import Arena
+from bitsparse.hooks import manager
+
+
+class LaunchlessCodec:
+    """A codec that keeps the append protocol (cursor, report word) and writes nothing else."""
+
+    name = "launchless"
+
+    def check_device(self, device: torch.device) -> None:
+        pass
+
+    def encoder(self, stream, cursor, appends, spec, geometry, sign_pack, numel, count_nonzeros, report, square=False):
+        cursor_word, words = cursor.numpy(), numel // 10
+
+        def encode_into(x, fixed, base, nonzeros=None, report_word=None, square=None):
+            cursor_word[0] += words
+            if report_word is not None:
+                report_word.numpy()[0] = cursor_word[0] + 1
+
+        return encode_into
+
+    def decoder(self, stream, spec, geometry, sign_pack, numel):
+        return lambda fixed, base, out, square=None: None
+
+    def measure(self, x, cursor, appends, spec, geometry, sign_pack, report=None, relu_square=None):
+        cursor += x.numel() // 10
+        if report is not None:
+            report.copy_(cursor + 1)
+
+
+def chain_step(op, x: torch.Tensor, tensors: int, context) -> tuple[float, float]:
+    """Host seconds of a forward of ``tensors`` applications of ``op`` and of its backward."""
+    start = time.perf_counter()
+    with context:
+        h = x
+        for _ in range(tensors):
+            h = op(h)
+    forward = time.perf_counter() - start
+    h.backward(torch.ones_like(h))
+    return forward, time.perf_counter() - start - forward
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tensors", type=int, default=200, help="saved tensors per step")
+    parser.add_argument("--numel", type=int, default=1 << 13, help="elements per saved tensor")
+    parser.add_argument("--repeats", type=int, default=80, help="interleaved rounds")
+    parser.add_argument("--profile", action="store_true", help="print a cProfile of the stored chain")
+    args = parser.parse_args()
+    codec = LaunchlessCodec()
+    manager.get_codec = lambda backend, device: codec
+    manager.Arena = functools.partial(Arena, asynchronous=True)
+    x = torch.relu(torch.randn(args.numel) - 1.28).requires_grad_()
+    contexts = {"plain": contextlib.nullcontext, "bitsparse": lambda: bitsparse.compressing(min_numel=args.numel)}
+    print(f"{args.tensors} saved tensors of {args.numel} float32 elements per step, medians of {args.repeats} rounds")
+    print(f"  {'chain':<8}{'fwd host':>10}{'bwd host':>10}   us per saved tensor added to plain autograd's")
+    for chain, op in (("stored", torch.relu), ("skipped", torch.tanh)):
+        for _ in range(5):
+            for context in contexts.values():
+                chain_step(op, x, args.tensors, context())
+        samples = {mode: [] for mode in contexts}
+        for _ in range(args.repeats):
+            for mode, context in contexts.items():
+                samples[mode].append(chain_step(op, x, args.tensors, context()))
+        medians = {mode: [statistics.median(s[i] for s in v) for i in range(2)] for mode, v in samples.items()}
+        added = [1e6 * (medians["bitsparse"][i] - medians["plain"][i]) / args.tensors for i in range(2)]
+        print(f"  {chain:<8}{added[0]:>10.1f}{added[1]:>10.1f}")
+        if args.profile and chain == "stored":
+            profile = cProfile.Profile()
+            profile.runcall(lambda: [chain_step(op, x, args.tensors, contexts["bitsparse"]()) for _ in range(10)])
+            pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+    print(bitsparse.stats())
+
+
+if __name__ == "__main__":
+    main()
