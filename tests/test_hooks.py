@@ -1005,6 +1005,32 @@ def test_a_tensor_not_sure_to_fit_is_held_until_its_report(reporting_arenas, mon
     del y
 
 
+def test_the_forward_delivers_no_report_of_a_tensor_sure_to_fit(reporting_arenas, monkeypatch):
+    # Every store is sure (the arena has room for both ReLU outputs at their dense size): the
+    # forward spends no time on their reports, which the backward's unpacks take.
+    model, x = mlp(), mlp_input()
+    check_exact(model, x, steps=1)
+    deliver, delivered = Arena._deliver, []
+
+    def recording_deliver(arena, wait):
+        delivered.append(wait)
+        deliver(arena, wait)
+
+    monkeypatch.setattr(Arena, "_deliver", recording_deliver)
+    with bitsparse.compressing(**OPTIONS):
+        loss = model(x).square().sum()
+    assert delivered == [] and bitsparse.stats().tensors_compressed == 2  # stats() drains: not before
+    del loss  # the graph dropped: the next forward is a new step
+    delivered.clear()
+    with bitsparse.compressing(**OPTIONS):
+        loss = model(x).square().sum()
+    assert delivered == []
+    loss.backward()
+    assert delivered == [False, False]  # arrived (at once on the CPU): taken without a wait
+    s = bitsparse.stats()
+    assert s.fallbacks == {} and s.tensors_compressed == 2 and s.stored_bytes < s.dense_bytes
+
+
 class LaggingDevice:
     """Plays a GPU that runs behind the host for arenas that report through slots on the CPU:
     the torch codec's report words (appends' ends) are written ``lag`` appends late, or when
