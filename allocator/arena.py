@@ -193,9 +193,9 @@ class Arena:
         self._report_slots: list[torch.Tensor] = []
         self._report_ends: list = []  # NumPy views of the slots, read without a CUDA call
         self._free_reports: list[int] = []
-        # Per slot: the most words its append can take, and the words its caller holds when
-        # next_report throttled it (0 when not).
-        self._claims: list[tuple[int, int]] = []
+        # Per slot: the most words its append can take, the words its caller holds when
+        # next_report throttled it (0 when not), and whether it was sure to fit.
+        self._claims: list[tuple[int, int, bool]] = []
         self._pending: collections.deque = collections.deque()
         """(slot, callback or None) of the submitted appends not delivered yet, in order."""
         self._awaited = 0
@@ -382,7 +382,7 @@ class Arena:
             self._add_report_slots()
         slot = self._free_reports.pop()
         if not self._asynchronous:
-            self._claims[slot] = (0, 0)
+            self._claims[slot] = (0, 0, False)
             return slot, None, False
         sure = self._sure_to_fit(max_words)
         if not sure and self._pending:
@@ -393,7 +393,7 @@ class Arena:
             self._deliver(wait=True)
             sure = self._sure_to_fit(max_words)
         self._report_ends[slot][0] = 0
-        self._claims[slot] = (max_words, 0 if sure else held_words)
+        self._claims[slot] = (max_words, 0 if sure else held_words, sure)
         self._unreported_words += max_words
         return slot, self._report_slots[slot], sure
 
@@ -414,7 +414,7 @@ class Arena:
         first = len(self._report_slots)
         self._report_slots.extend(ends.split(1))
         self._report_ends.extend(ends.numpy()[i : i + 1] for i in range(REPORT_SLOTS))
-        self._claims.extend([(0, 0)] * REPORT_SLOTS)
+        self._claims.extend([(0, 0, False)] * REPORT_SLOTS)
         self._free_reports.extend(range(first + REPORT_SLOTS - 1, first - 1, -1))
 
     def submit(self, slot: int, on_end: Callable[[int, int], None] | None = None) -> int:
@@ -463,12 +463,13 @@ class Arena:
     def ends(self) -> list[int]:
         """The value cursor after each append since the arena was emptied, in order, as far as
         delivered (``drain`` delivers all): append ``n`` (from ``submit``) took the words from
-        ``ends[n - 1]`` (0 for the first) to ``ends[n]``, or would have (see ``fits``)."""
+        ``ends[n - 1]`` (0 for the first) to ``ends[n]``, or would have: an append that ends
+        past ``values_capacity_words`` did not fit (and was kept dense by its caller)."""
         return self._ends
 
     def _deliver(self, wait: bool) -> None:
         slot, callback = self._pending.popleft()
-        words, held = self._claims[slot]
+        words, held, sure = self._claims[slot]
         if held:
             self._throttled -= 1
             self._held_words -= held
@@ -481,6 +482,12 @@ class Arena:
         self._free_reports.append(slot)
         start, self._last_end = self._last_end, end
         self._ends.append(end)
+        if sure and end > self._values_capacity:
+            raise RuntimeError(
+                f"BitSparse: an append the arena was sure of ended at word {end}, past the value region's "
+                f"{self._values_capacity} words, and its caller kept nothing else of what it stored. This is a bug "
+                "in BitSparse; please report it."
+            )
         if callback is not None:
             callback(start, end)
 

@@ -179,18 +179,10 @@ class StoredTensor(Handle):
         self.dense = dense.untyped_storage() if held else None
 
     def confirm(self, fits: bool) -> None:
-        """Take the arena's confirmation: the values fit (the dense storage can go), or not.
-
-        Raises:
-            RuntimeError: values the arena was sure of did not fit (a bug: they are lost).
-        """
+        """Take the arena's confirmation of a held tensor: the values fit (the dense storage
+        can go), or not (it stays, for good)."""
         if fits:
             self.dense = None
-        elif self.dense is None:
-            raise RuntimeError(
-                "BitSparse: a tensor's values did not fit in the arena that was sure of them, and its dense copy "
-                "is gone. This is a bug in BitSparse; please report it."
-            )
 
     @property
     def is_compressed(self) -> bool:

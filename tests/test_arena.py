@@ -529,6 +529,16 @@ def test_reports_that_arrived_make_an_append_sure_without_a_wait():
     assert arena.usage().window_waits == 0 and arena._throttled == 0 and len(device.reports) == 3
 
 
+def test_an_append_that_was_sure_and_did_not_fit_raises():
+    # Its caller kept nothing: the arena's promise failing is a bug, never a silent loss.
+    arena = Arena("cpu", 4 * 4096, fixed_fraction=0.25, window=1, asynchronous=True)  # 3071 value words
+    device = SimulatedDevice(arena)
+    assert device.append(1000, 5000)  # takes more than it said it could at most
+    device.run(1)
+    with pytest.raises(RuntimeError, match="an append the arena was sure of ended at word 5000"):
+        arena.drain()
+
+
 def test_a_wait_stops_once_the_reports_make_the_append_sure():
     arena = Arena("cpu", 4 * 4096, fixed_fraction=0.25, window=1, asynchronous=True)  # 3071 value words
     device = SimulatedDevice(arena)
