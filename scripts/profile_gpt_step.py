@@ -4,7 +4,7 @@ Prints, per variant, the median GPU step time over interleaved repeats (CUDA eve
 host time until backward returns and until the forward returns, the peak memory per token
 and the window waits; then a
 kernel table from torch.profiler for dense and bitsparse, and the host time of BitSparse's
-stages (pack, store, compress, launch, confirm, ...). Usage: python scripts/profile_gpt_step.py [--out DIR] [--length T]
+stages (pack, store, the arena, the tables, unpack, the step's accounting, ...). Usage: python scripts/profile_gpt_step.py [--out DIR] [--length T]
 """
 
 import argparse
@@ -20,8 +20,9 @@ from torch.profiler import ProfilerActivity, profile
 import bitsparse
 from bitsparse.allocator import Arena
 from bitsparse.bench.models import sparse_gpt_loss
-from bitsparse.codecs import triton_codec
 from bitsparse.hooks import handles, manager
+from bitsparse.hooks.spans import SpanIndex
+from bitsparse.hooks.stats import StepCollector
 
 VARIANTS = {
     "dense": lambda: contextlib.nullcontext(),
@@ -37,22 +38,23 @@ STAGES = [
     (manager.Session, "_store"),
     (manager.Session, "_recompute"),
     (manager.Session, "_poll"),
-    (manager, "compress_into"),
-    (handles, "decompress_with"),
-    (triton_codec, "encode"),
-    (triton_codec, "decode"),
+    (manager.Session, "_settle_for_reads"),
+    (manager.Session, "_begin_step"),
+    (manager.Session, "_site"),
+    (manager.Session, "_note_source"),
+    (handles.Site, "prepare"),
+    (handles.StoredTensor, "__init__"),
+    (handles.StoredTensor, "_restore"),
+    (handles.Recomputed, "_restore"),
     (Arena, "submit"),
     (Arena, "reserve_fixed"),
-    (Arena, "open_lease"),
-    (handles.Recomputed, "_restore"),
-    # The parts of Session._store not timed above (its time varied 197-656 us a call).
-    (manager.Session, "_arena"),
-    (Arena, "on_append_stream"),
     (Arena, "next_report"),
     (Arena, "next_start"),
-    (manager, "get_codec"),
-    (manager, "_confirmation"),
-    (handles.StoredTensor, "__init__"),
+    (Arena, "on_append_stream"),
+    (Arena, "drain"),
+    (SpanIndex, "add"),
+    (SpanIndex, "find"),
+    (StepCollector, "account"),
 ]
 
 
