@@ -196,14 +196,28 @@ def test_no_compressed_tensor_outlives_backward(ranks, wrapper, hooks):
 # torchrun
 
 
+TEARDOWN_ABORT = "terminate called without an active exception"
+"""What a gloo process prints when its C++ teardown aborts it after its work is done (a joinable
+thread destroyed at exit); seen in CI on the FSDP2 bench, after every table and file was written,
+and not reproduced in 26 runs on demand."""
+
+
 def torchrun(*args: str, timeout: float = TORCHRUN_TIMEOUT_S) -> str:
     """Run ``torchrun --standalone --nproc-per-node 2 ARGS`` from the repository root; its stdout.
+
+    A run that gloo's teardown aborted (``TEARDOWN_ABORT`` on stderr) runs once more: the abort is
+    torch's, at exit, and a second one in a row fails the test like any other error.
 
     Raises:
         AssertionError: it exited with a non-zero status (its output is in the message).
     """
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD_SIZE}"]
-    result = subprocess.run([*command, *args], check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    for _ in range(2):
+        result = subprocess.run(
+            [*command, *args], check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        )
+        if result.returncode == 0 or TEARDOWN_ABORT not in result.stderr:
+            break
     assert result.returncode == 0, f"exit status {result.returncode}\n{result.stdout}\n{result.stderr}"
     return result.stdout
 
