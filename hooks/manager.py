@@ -85,37 +85,47 @@ class Session:
 
     def pack_hook(self, options: Options, other):
         """The pack hook of ``options``: ``hook(t)`` returns what autograd saves for ``t``,
-        ``other(t)`` for a tensor of another class than ``torch.Tensor`` (which tracing
-        hands over).
+        ``other(t)`` for a tensor of another class than ``torch.Tensor`` or ``nn.Parameter``
+        (which tracing hands over).
 
         It runs for every saved tensor (about 400 per GPT forward, between the model's ops,
         where the host often bounds the step), and most are kept as they are. So it first
-        screens plain tensors that are not views for the two commonest reasons, small or made
-        by an op the rule never selects, with the options' values bound here, without the lock
-        (its counters are only this step's statistics), and hands every other plain tensor
-        to ``pack``.
+        screens tensors that are not views for the commonest reasons, small, a parameter (every
+        ``Linear`` saves its weight) or made by an op the rule never selects, with the options'
+        values bound here, without the lock (its counters are only this step's statistics),
+        and hands every other tensor to ``pack``, which decides alike.
         """
-        min_numel = options.min_numel
-        unrelated = UNRELATED_NODES if options.select == "relu" else frozenset()
-        marks, plain, pack = self.marks, torch.Tensor, self.pack
+        min_numel, selects_relu = options.min_numel, options.select == "relu"
+        unrelated = UNRELATED_NODES if selects_relu else frozenset()
+        marks, plain, parameter, pack = self.marks, torch.Tensor, torch.nn.Parameter, self.pack
 
         def hook(t: torch.Tensor):
-            if t.__class__ is not plain:
+            cls = t.__class__
+            if cls is not plain and cls is not parameter:
                 return other(t)
-            if t._base is None:
-                node = t.grad_fn
-                numel = t.numel()
-                small = numel < min_numel or not numel
-                if small or (node.__class__ in unrelated and not marks.any):
-                    if self._backward_seen or (not self._live and self._collector.leased):
-                        self.begin_step()
-                    if small:
-                        self._collector.kept_small += 1
-                    else:
-                        self._collector.kept_unrelated += 1
-                    # Detached for the reason given in pack.
-                    return (t if node is None else t.detach()), t._version
-            return pack(options, t)
+            if t._base is not None:
+                return pack(options, t)
+            node = t.grad_fn
+            numel = t.numel()
+            if numel < min_numel or not numel:
+                kept = "small"
+            elif node is None and t.requires_grad:
+                kept = "parameter"
+            elif (node.__class__ in unrelated or (node is None and selects_relu)) and not marks.any:
+                kept = "unrelated"
+            else:
+                return pack(options, t)
+            if self._backward_seen or (not self._live and self._collector.leased):
+                self.begin_step()
+            collector = self._collector
+            if kept == "small":
+                collector.kept_small += 1
+            elif kept == "parameter":
+                collector.kept_parameters += 1
+            else:
+                collector.kept_unrelated += 1
+            # Detached for the reason given in pack.
+            return (t if node is None else t.detach()), t._version
 
         return hook
 

@@ -97,8 +97,8 @@ class StepCollector:
         self.stats = Stats(step=step)
         # defaultdicts: a step's collector is made at its start, where a Counter took longer.
         self.skipped: defaultdict[str, int] = defaultdict(int)
-        self.kept_small = self.kept_unrelated = 0
-        """Skipped as ``small`` and ``not_relu_family`` by the pack hook's first screen, which
+        self.kept_small = self.kept_parameters = self.kept_unrelated = 0
+        """Skipped as ``small``, ``parameter`` and ``not_relu_family`` by the pack hook's first screen, which
         adds to plain ints (cheaper than the dict); ``finish`` adds them in."""
         self.fallbacks: defaultdict[str, int] = defaultdict(int)
         self.numel = 0
@@ -158,7 +158,9 @@ class StepCollector:
         _, stored_bytes, s.spilled_bytes, unfit = self.account()
         s.stored_bytes += stored_bytes
         skipped = Counter(self.skipped)
-        skipped.update({"small": self.kept_small, "not_relu_family": self.kept_unrelated})
+        skipped.update(
+            {"small": self.kept_small, "parameter": self.kept_parameters, "not_relu_family": self.kept_unrelated}
+        )
         s.tensors_skipped = {reason: n for reason, n in skipped.items() if n}
         s.fallbacks = dict(self.fallbacks)
         if unfit:

@@ -739,6 +739,42 @@ def test_tiny_value_region_falls_back_exactly():
     assert s.stored_bytes == s.dense_bytes  # a fallback counts dense
 
 
+def saved_by_mul(tensors: list[torch.Tensor], select: str, as_views: bool, marked: torch.Tensor) -> tuple:
+    """``(tensors_skipped, tensors_compressed)`` of a first step (nothing learned, an arena
+    from the start) that multiplies a leaf by each of ``tensors`` (itself, or a view of the
+    whole of it) and by ``marked`` (marked first)."""
+    bitsparse.reset()
+    a = torch.ones(4096, requires_grad=True)
+    with bitsparse.compressing(capacity=1 << 20, min_numel=MIN_NUMEL, select=select):
+        outs = [torch.mul(a[: t.numel()], t[:] if as_views else t) for t in [*tensors, bitsparse.mark(marked)]]
+    s = bitsparse.stats()
+    sum(out.sum() for out in outs).backward()
+    return s.tensors_skipped, s.tensors_compressed
+
+
+@pytest.mark.parametrize("select", ["relu", "all"])
+def test_the_first_screen_skips_for_the_reasons_pack_gives(select):
+    """The pack hook's first screen decides for tensors that are not views (``pack`` for the
+    rest): the same tensors saved as views of their whole get the same reasons."""
+    torch.manual_seed(0)
+    tensors = [
+        nn.Parameter(torch.randn(4096)),  # a weight
+        nn.Parameter(torch.randn(4096), requires_grad=False),  # a frozen weight
+        torch.randn(4096, requires_grad=True),  # an input that requires grad
+        torch.randn(4096),  # a constant
+        nn.Parameter(torch.randn(8)),  # small
+    ]
+    marked = torch.relu(torch.randn(4096))
+    got = saved_by_mul(tensors, select, as_views=False, marked=marked)
+    assert got == saved_by_mul(tensors, select, as_views=True, marked=marked)
+    # A view of the leaf ``a`` is saved too where the other factor requires grad: a
+    # parameter's view twice, and small beside the small parameter.
+    if select == "relu":
+        assert got == ({"parameter": 4, "not_relu_family": 2, "small": 2}, 1)
+    else:  # the frozen weight and the constant are tried too
+        assert got == ({"parameter": 4, "small": 2}, 3)
+
+
 def test_a_refused_first_tensor_does_not_end_the_step():
     torch.manual_seed(0)
     lin1, lin2 = nn.Linear(64, 256), nn.Linear(256, 8)
