@@ -262,7 +262,8 @@ def test_nonzeros_counter_and_fixed_words():
     g = generator("arena-triton")
     counter = torch.zeros(1, dtype=torch.int64)
     total = 0
-    for n, dtype, sign_pack in ((5000, torch.bfloat16, True), (4096, torch.float8_e5m2, False), (1, torch.float32, True)):
+    cases = ((5000, torch.bfloat16, True), (4096, torch.float8_e5m2, False), (1, torch.float32, True))
+    for n, dtype, sign_pack in cases:
         x = make_input(n, dtype, 0.6, g)
         fixed = torch.full((TileGeometry().fixed_nbytes(n) // 4,), -1, dtype=torch.int32)
         c = compress_with(x, "triton", sign_pack=sign_pack, nonzeros=counter, fixed=fixed)

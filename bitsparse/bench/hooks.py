@@ -18,8 +18,8 @@ never waits for an encoder's report).
 from __future__ import annotations
 
 import argparse
-import cProfile
 import contextlib
+import cProfile
 import pstats
 import statistics
 import time
