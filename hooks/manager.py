@@ -90,7 +90,7 @@ class Session:
 
         It runs for every saved tensor (about 400 per GPT forward, between the model's ops,
         where the host often bounds the step), and most are kept as they are. So it first
-        screens tensors that are not views for the commonest reasons, small, a parameter (every
+        screens them for the commonest reasons, small, a parameter or a view of one (every
         ``Linear`` saves its weight) or made by an op the rule never selects, with the options'
         values bound here, without the lock (its counters are only this step's statistics),
         and hands every other tensor to ``pack``, which decides alike.
@@ -103,13 +103,14 @@ class Session:
             cls = t.__class__
             if cls is not plain and cls is not parameter:
                 return other(t)
-            if t._base is not None:
-                return pack(options, t)
-            node = t.grad_fn
+            base = t._base
+            if base is None:
+                base = t
+            node = base.grad_fn  # as in pack: a view holds its base's values
             numel = t.numel()
             if numel < min_numel or not numel:
                 kept = "small"
-            elif node is None and t.requires_grad:
+            elif node is None and base.requires_grad:
                 kept = "parameter"
             elif (node.__class__ in unrelated or (node is None and selects_relu)) and not marks.any:
                 kept = "unrelated"

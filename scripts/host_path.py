@@ -1,8 +1,9 @@
 """The host time of BitSparse's own Python per saved tensor, without the GPU or its noise.
 
 ``python scripts/host_path.py`` runs the chains of ``python -m bitsparse.bench hooks`` (each
-op saving its output: ``relu`` outputs are stored, ``tanh`` outputs skipped), and a chain of
-``addcmul(h, h, weight)`` that saves its input and a parameter (both skipped), on the CPU, with
+op saving its output: ``relu`` outputs are stored, ``tanh`` outputs skipped), and chains of
+``addcmul(h, h, weight)``, which saves its input and a parameter, and of the same op on views
+of both (as a ``Linear`` saves ``weight.t()``), all skipped, on the CPU, with
 the session's arenas reporting through slots as on CUDA and with a codec that launches no
 kernel: it moves the value cursor by a tenth of each tensor's words and writes the report
 word, as an encoder's last program does. What it measures is everything a saved tensor costs
@@ -84,7 +85,12 @@ def main() -> None:
     contexts = {"plain": contextlib.nullcontext, "bitsparse": lambda: bitsparse.compressing(min_numel=args.numel)}
     print(f"{args.tensors} saved tensors of {args.numel} float32 elements per step, medians of {args.repeats} rounds")
     print(f"  {'chain':<8}{'fwd host':>10}{'bwd host':>10}   us per saved tensor added to plain autograd's")
-    chains = {"stored": torch.relu, "skipped": torch.tanh, "parameter": lambda h: torch.addcmul(h, h, weight)}
+    chains = {
+        "stored": torch.relu,
+        "skipped": torch.tanh,
+        "parameter": lambda h: torch.addcmul(h, h, weight),
+        "views": lambda h: torch.addcmul(h, h.view(-1), weight.view(-1)),
+    }
     for chain, op in chains.items():
         for _ in range(5):
             for context in contexts.values():

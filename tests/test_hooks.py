@@ -739,40 +739,49 @@ def test_tiny_value_region_falls_back_exactly():
     assert s.stored_bytes == s.dense_bytes  # a fallback counts dense
 
 
-def saved_by_mul(tensors: list[torch.Tensor], select: str, as_views: bool, marked: torch.Tensor) -> tuple:
-    """``(tensors_skipped, tensors_compressed)`` of a first step (nothing learned, an arena
-    from the start) that multiplies a leaf by each of ``tensors`` (itself, or a view of the
-    whole of it) and by ``marked`` (marked first)."""
-    bitsparse.reset()
-    a = torch.ones(4096, requires_grad=True)
-    with bitsparse.compressing(capacity=1 << 20, min_numel=MIN_NUMEL, select=select):
-        outs = [torch.mul(a[: t.numel()], t[:] if as_views else t) for t in [*tensors, bitsparse.mark(marked)]]
-    s = bitsparse.stats()
-    sum(out.sum() for out in outs).backward()
-    return s.tensors_skipped, s.tensors_compressed
+def pack_outcome(route: str, t: torch.Tensor, select: str, marked: bool) -> tuple:
+    """What a fresh session makes of saving ``t`` through ``route``, the pack hook ("screen")
+    or ``Session.pack``: the skip reason (None: handed to the store), whether ``t`` itself is
+    kept (not a detached alias) and its version."""
+    session, options = manager.Session(), Options(min_numel=MIN_NUMEL, select=select)
+    if marked:
+        session.marks.mark(t)
+    save = session.pack_hook(options, other=None) if route == "screen" else functools.partial(session.pack, options)
+    packed = save(t)
+    (reason,) = session.stats().tensors_skipped or [None]
+    if reason is None:
+        return None, None, None
+    kept, version = packed
+    return reason, kept is t, version
 
 
 @pytest.mark.parametrize("select", ["relu", "all"])
-def test_the_first_screen_skips_for_the_reasons_pack_gives(select):
-    """The pack hook's first screen decides for tensors that are not views (``pack`` for the
-    rest): the same tensors saved as views of their whole get the same reasons."""
+def test_the_first_screen_decides_as_pack_does(select):
+    """The pack hook screens the commonest tensors itself and hands the rest to ``pack``: for
+    each kind of saved tensor, both keep it for the same reason, or both store it."""
     torch.manual_seed(0)
-    tensors = [
-        nn.Parameter(torch.randn(4096)),  # a weight
-        nn.Parameter(torch.randn(4096), requires_grad=False),  # a frozen weight
-        torch.randn(4096, requires_grad=True),  # an input that requires grad
-        torch.randn(4096),  # a constant
-        nn.Parameter(torch.randn(8)),  # small
-    ]
-    marked = torch.relu(torch.randn(4096))
-    got = saved_by_mul(tensors, select, as_views=False, marked=marked)
-    assert got == saved_by_mul(tensors, select, as_views=True, marked=marked)
-    # A view of the leaf ``a`` is saved too where the other factor requires grad: a
-    # parameter's view twice, and small beside the small parameter.
-    if select == "relu":
-        assert got == ({"parameter": 4, "not_relu_family": 2, "small": 2}, 1)
-    else:  # the frozen weight and the constant are tried too
-        assert got == ({"parameter": 4, "small": 2}, 3)
+    weight, x = nn.Parameter(torch.randn(64, 64)), torch.randn(64, 64, requires_grad=True)
+    tanh = torch.tanh(x)
+    cases = {  # name: (tensor, marked, reason under select="relu")
+        "weight": (weight, False, "parameter"),
+        "weight.t()": (weight.t(), False, "parameter"),
+        "frozen weight": (nn.Parameter(torch.randn(64, 64), requires_grad=False), False, "not_relu_family"),
+        "input": (x, False, "parameter"),
+        "constant": (torch.randn(64, 64), False, "not_relu_family"),
+        "small": (nn.Parameter(torch.randn(8)), False, "small"),
+        "tanh": (tanh, False, "not_relu_family"),
+        "tanh view": (tanh[:32], False, "not_relu_family"),
+        "relu": (torch.relu(x), False, None),
+        "marked": (torch.relu(torch.randn(64, 64)), True, None),
+    }
+    for name, (t, marked, reason) in cases.items():
+        screened = pack_outcome("screen", t, select, marked)
+        assert screened == pack_outcome("pack", t, select, marked), name
+        if select == "relu":
+            assert screened[0] == reason, name
+    # Only what has no history is kept as it is: the rest is detached (see Session.pack).
+    assert pack_outcome("screen", weight.t(), "relu", False)[1:] == (True, weight._version)
+    assert pack_outcome("screen", tanh, "relu", False)[1] is False
 
 
 def test_a_refused_first_tensor_does_not_end_the_step():
