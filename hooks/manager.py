@@ -96,7 +96,6 @@ class Session:
         and hands every other tensor to ``pack``, which decides alike.
         """
         min_numel, selects_relu = options.min_numel, options.select == "relu"
-        unrelated = UNRELATED_NODES if selects_relu else frozenset()
         marks, plain, parameter, pack = self.marks, torch.Tensor, torch.nn.Parameter, self.pack
 
         def hook(t: torch.Tensor):
@@ -112,7 +111,16 @@ class Session:
                 kept = "small"
             elif node is None and base.requires_grad:
                 kept = "parameter"
-            elif (node.__class__ in unrelated or (node is None and selects_relu)) and not marks.any:
+            elif (
+                selects_relu
+                and not marks.any
+                and (
+                    node is None
+                    or node.__class__ in UNRELATED_NODES
+                    # A cast or view of an unrelated tensor (the rule looks back through them).
+                    or (node.__class__ not in RELU_NODES and classify_node(node) is None)
+                )
+            ):
                 kept = "unrelated"
             else:
                 return pack(options, t)

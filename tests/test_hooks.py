@@ -771,7 +771,9 @@ def test_the_first_screen_decides_as_pack_does(select):
         "small": (nn.Parameter(torch.randn(8)), False, "small"),
         "tanh": (tanh, False, "not_relu_family"),
         "tanh view": (tanh[:32], False, "not_relu_family"),
+        "tanh cast": (tanh.bfloat16(), False, "not_relu_family"),
         "relu": (torch.relu(x), False, None),
+        "relu cast": (torch.relu(x).bfloat16(), False, None),
         "marked": (torch.relu(torch.randn(64, 64)), True, None),
     }
     for name, (t, marked, reason) in cases.items():
