@@ -98,8 +98,8 @@ class StepCollector:
         # defaultdicts: a step's collector is made at its start, where a Counter took longer.
         self.skipped: defaultdict[str, int] = defaultdict(int)
         self.kept_small = self.kept_parameters = self.kept_unrelated = 0
-        """Skipped as ``small``, ``parameter`` and ``not_relu_family`` by the pack hook's first screen, which
-        adds to plain ints (cheaper than the dict); ``finish`` adds them in."""
+        """Skipped as ``small``, ``parameter`` and ``not_relu_family`` by the pack hook's first
+        screen, which adds to plain ints (cheaper than the dict); ``finish`` adds them in."""
         self.fallbacks: defaultdict[str, int] = defaultdict(int)
         self.numel = 0
         self.nonzeros: dict[torch.device, torch.Tensor] = {}
