@@ -39,6 +39,8 @@ from bitsparse.hooks.stats import Stats, StepCollector
 
 MAX_SITES = 4096
 """Save sites remembered; forgotten all at once past this (shapes that change every step)."""
+UNCLASSIFIED = object()
+"""``Session.pack``'s provenance when its caller did not classify the tensor's node."""
 PROFITABLE_RATIO = 1.25
 """A save site whose tensors shrink less than this (dense / stored) is kept dense: the
 arena's headroom (15% of what it stores) would eat most of the saving."""
@@ -111,19 +113,19 @@ class Session:
                 kept = "small"
             elif node is None and base.requires_grad:
                 kept = "parameter"
-            elif (
-                selects_relu
-                and not marks.any
-                and (
-                    node is None
-                    or node.__class__ in UNRELATED_NODES
-                    # A cast or view of an unrelated tensor (the rule looks back through them).
-                    or (node.__class__ not in RELU_NODES and classify_node(node) is None)
-                )
-            ):
-                kept = "unrelated"
-            else:
+            elif not selects_relu or marks.any:
                 return pack(options, t)
+            elif node is None or node.__class__ in UNRELATED_NODES:
+                kept = "unrelated"
+            elif node.__class__ in RELU_NODES:
+                return pack(options, t, Provenance.RELU)
+            else:
+                # A cast or view, say, which the rule looks back through: pack is given what
+                # it finds, not to look again.
+                provenance = classify_node(node)
+                if provenance is not None:
+                    return pack(options, t, provenance)
+                kept = "unrelated"
             if self._backward_seen or (not self._live and self._collector.leased):
                 self.begin_step()
             collector = self._collector
@@ -138,9 +140,10 @@ class Session:
 
         return hook
 
-    def pack(self, options: Options, t: torch.Tensor):
+    def pack(self, options: Options, t: torch.Tensor, provenance=UNCLASSIFIED):
         """What autograd saves for ``t``: ``t`` itself (with its version) when it is kept as
-        it is, else a handle that restores it (see ``hooks.handles``)."""
+        it is, else a handle that restores it (see ``hooks.handles``). ``provenance``: what
+        ``classify_node`` says of ``t``'s node, where the caller already asked."""
         # Decided with as little work as possible and without the lock, as in pack_hook.
         if self._backward_seen or (not self._live and self._collector.leased):
             self.begin_step()
@@ -154,10 +157,11 @@ class Session:
         elif node is None and base.requires_grad:  # a parameter, or a view of one (weight.t())
             reason = "parameter"
         else:
-            cls = node.__class__
-            provenance = (
-                Provenance.RELU if cls in RELU_NODES else None if cls in UNRELATED_NODES else classify_node(node)
-            )
+            if provenance is UNCLASSIFIED:
+                cls = node.__class__
+                provenance = (
+                    Provenance.RELU if cls in RELU_NODES else None if cls in UNRELATED_NODES else classify_node(node)
+                )
             if provenance is not Provenance.RELU and self.marks.any and self.marks.covers(t):
                 provenance = Provenance.RELU
             if provenance is None and options.select == "relu":

@@ -84,7 +84,7 @@ def main() -> None:
     weight = torch.nn.Parameter(torch.ones(args.numel))
     contexts = {"plain": contextlib.nullcontext, "bitsparse": lambda: bitsparse.compressing(min_numel=args.numel)}
     print(f"{args.tensors} saved tensors of {args.numel} float32 elements per step, medians of {args.repeats} rounds")
-    print(f"  {'chain':<8}{'fwd host':>10}{'bwd host':>10}   us per saved tensor added to plain autograd's")
+    print(f"  {'chain':<10}{'fwd host':>10}{'bwd host':>10}   us per saved tensor added to plain autograd's")
     chains = {
         "stored": torch.relu,
         "skipped": torch.tanh,
@@ -101,7 +101,7 @@ def main() -> None:
                 samples[mode].append(chain_step(op, x, args.tensors, context()))
         medians = {mode: [statistics.median(s[i] for s in v) for i in range(2)] for mode, v in samples.items()}
         added = [1e6 * (medians["bitsparse"][i] - medians["plain"][i]) / args.tensors for i in range(2)]
-        print(f"  {chain:<8}{added[0]:>10.1f}{added[1]:>10.1f}")
+        print(f"  {chain:<10}{added[0]:>10.1f}{added[1]:>10.1f}")
         if args.profile and chain == "stored":
             profile = cProfile.Profile()
             profile.runcall(lambda: [chain_step(op, x, args.tensors, contexts["bitsparse"]()) for _ in range(10)])

@@ -3,7 +3,8 @@
 Prints, per variant, the median GPU step time over interleaved repeats (CUDA events), the
 host time until backward returns and until the forward returns, the peak memory per token
 and the window waits; then a kernel table from torch.profiler for dense and bitsparse, and the
-host time of BitSparse's stages (pack, store, the arena, the tables, unpack, the step's accounting, ...).
+host time of BitSparse's stages (pack, store, the arena, the tables, unpack, the step's
+accounting, ...).
 
 Usage: python scripts/profile_gpt_step.py [--out DIR] [--length T]
 """
