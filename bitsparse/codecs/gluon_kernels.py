@@ -14,7 +14,7 @@ packed decoder about 40%, bound by instructions and latency (docs/benchmarks.md)
   copies, all in flight at once);
 - (encoder) claim stream space for ``GROUP`` tiles with one atomic: the claim counter is one
   address that every program hits;
-- (encoder, ``relu_square``) write the square in a loop of its own, a 16-byte vector per
+- (encoder, ``relu_square``) write the square in a loop of its own, four 16-byte vectors per
   thread at a time, then load the values again (from L2): squared beside the values held for
   the scan, the words spilled registers;
 - (decoder) issue every load of a tile's fixed part before the first barrier, so that the
@@ -49,6 +49,11 @@ registers a thread without spilling, and eight encoder programs fit an SM: +2 to
 of copy bandwidth for bf16 against 80 registers (six programs); 56 spilled and lost 7-20.
 32-bit values hold twice the registers: capped, they fell from 91% to 37%, so they run
 uncapped."""
+SQUARE_VECTORS = gl.constexpr(4)
+"""16-byte vectors of values a thread of the ``relu_square`` encoder loads at once for the
+square, all in flight together. On the H200, for a bf16 tensor of 36.9M elements at 90% zeros
+(the benchmarks' GPT): 65 us with one, 57 with two, 53-54 with four (a copy of the tensor
+takes 37 us); eight spilled registers (60 us)."""
 PREFETCH_TILES = gl.constexpr(2048)
 """How far ahead of its own tile a decoder program prefetches a fixed part: about as many
 tiles as an H200's SMs hold decoder programs at once (12-16 each on 132 SMs)."""
@@ -549,17 +554,19 @@ def encode_kernel(
     words_ptr = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)  # the caller checks 16-byte alignment
     whole = first_tile * TILE <= numel - GROUP * TILE  # the group is whole (in int32: numel < 2**31)
     if RELU_SQUARE:
-        # First the square, a 16-byte vector a thread at a time, from loads of its own: the
-        # values are loaded again below (from L2), so that the square's words are not held
-        # in registers beside them (which spilled).
+        # First the square, ``SQUARE_VECTORS`` 16-byte vectors a thread at a time, from loads
+        # of its own: the values are loaded again below, from L2 (where the loads ask to keep
+        # them; the square, written once, streams past it), so that the square's words are
+        # not held in registers beside them (which spilled).
         flat: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])
-        STEP: gl.constexpr = 4 * 32 * WARPS
+        STEP: gl.constexpr = SQUARE_VECTORS * 4 * 32 * WARPS
         square_words = square_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         for step in range(0, GROUP * TILE // PER_WORD, STEP):
             w = first_tile * (TILE // PER_WORD) + step + gl.arange(0, STEP, layout=flat)
             inside = w < numel // PER_WORD
-            square = _square_of_relu(gl.load(words_ptr + w, mask=inside), x_ptr.dtype.element_ty, BITS)
-            gl.store(square_words + w, square, mask=inside)
+            loaded = gl.load(words_ptr + w, mask=inside, eviction_policy="evict_last")
+            square = _square_of_relu(loaded, x_ptr.dtype.element_ty, BITS)
+            gl.store(square_words + w, square, mask=inside, cache_modifier=".cs")
     if whole:
         x = gl.load(words_ptr + word_index)
     else:
