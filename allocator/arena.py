@@ -392,7 +392,6 @@ class Arena:
             self._window_waits += 1
             self._deliver(wait=True)
             sure = self._sure_to_fit(max_words)
-        self._report_ends[slot][0] = 0
         self._claims[slot] = (max_words, 0 if sure else held_words, sure)
         self._unreported_words += max_words
         return slot, self._report_slots[slot], sure
@@ -477,7 +476,9 @@ class Arena:
             self._awaited -= 1
         if wait and not self._report_ends[slot][0]:
             self._wait_for(slot)
-        end = int(self._report_ends[slot][0]) - 1
+        report = self._report_ends[slot]
+        end = int(report[0]) - 1
+        report[0] = 0  # a free slot's word is 0 (here, not when it is taken: the forward has less to do)
         self._unreported_words -= words
         self._free_reports.append(slot)
         start, self._last_end = self._last_end, end

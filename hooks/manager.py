@@ -39,8 +39,6 @@ from bitsparse.hooks.stats import Stats, StepCollector
 
 MAX_SITES = 4096
 """Save sites remembered; forgotten all at once past this (shapes that change every step)."""
-UNCLASSIFIED = object()
-"""``Session.pack``'s provenance when its caller did not classify the tensor's node."""
 PROFITABLE_RATIO = 1.25
 """A save site whose tensors shrink less than this (dense / stored) is kept dense: the
 arena's headroom (15% of what it stores) would eat most of the saving."""
@@ -95,10 +93,12 @@ class Session:
         screens them for the commonest reasons, small, a parameter or a view of one (every
         ``Linear`` saves its weight) or made by an op the rule never selects, with the options'
         values bound here, without the lock (its counters are only this step's statistics),
-        and hands every other tensor to ``pack``, which decides alike.
+        and hands every other tensor to ``pack``, which decides alike, or, when it found the
+        tensor's provenance, to the step after pack's screen.
         """
         min_numel, selects_relu = options.min_numel, options.select == "relu"
-        marks, plain, parameter, pack = self.marks, torch.Tensor, torch.nn.Parameter, self.pack
+        marks, plain, parameter = self.marks, torch.Tensor, torch.nn.Parameter
+        pack, selected = self.pack, self._pack_selected
 
         def hook(t: torch.Tensor):
             cls = t.__class__
@@ -118,13 +118,12 @@ class Session:
             elif node is None or node.__class__ in UNRELATED_NODES:
                 kept = "unrelated"
             elif node.__class__ in RELU_NODES:
-                return pack(options, t, Provenance.RELU)
+                return selected(options, t, node, Provenance.RELU)
             else:
-                # A cast or view, say, which the rule looks back through: pack is given what
-                # it finds, not to look again.
+                # A cast or view, say, which the rule looks back through.
                 provenance = classify_node(node)
                 if provenance is not None:
-                    return pack(options, t, provenance)
+                    return selected(options, t, node, provenance)
                 kept = "unrelated"
             if self._backward_seen or (not self._live and self._collector.leased):
                 self.begin_step()
@@ -140,52 +139,36 @@ class Session:
 
         return hook
 
-    def pack(self, options: Options, t: torch.Tensor, provenance=UNCLASSIFIED):
+    def pack(self, options: Options, t: torch.Tensor):
         """What autograd saves for ``t``: ``t`` itself (with its version) when it is kept as
-        it is, else a handle that restores it (see ``hooks.handles``). ``provenance``: what
-        ``classify_node`` says of ``t``'s node, where the caller already asked."""
-        # Decided with as little work as possible and without the lock, as in pack_hook.
-        if self._backward_seen or (not self._live and self._collector.leased):
-            self.begin_step()
+        it is, else a handle that restores it (see ``hooks.handles``)."""
         base = t._base
         if base is None:
             base = t
         node = base.grad_fn  # a view holds its base's values: the base's node says what they are
         numel = t.numel()
         if numel < options.min_numel or not numel:
-            reason = "small"
-        elif node is None and base.requires_grad:  # a parameter, or a view of one (weight.t())
-            reason = "parameter"
-        else:
-            if provenance is UNCLASSIFIED:
-                cls = node.__class__
-                provenance = (
-                    Provenance.RELU if cls in RELU_NODES else None if cls in UNRELATED_NODES else classify_node(node)
-                )
-            if provenance is not Provenance.RELU and self.marks.any and self.marks.covers(t):
-                provenance = Provenance.RELU
-            if provenance is None and options.select == "relu":
-                reason = "not_relu_family"
-            elif t.dtype not in SUPPORTED_DTYPES:
-                reason = "dtype"
-            elif t.layout != torch.strided or not (t.is_cuda or t.is_cpu):
-                reason = "layout_or_device"
-            elif numel > MAX_NUMEL:
-                reason = "large"
-            else:
-                return self._pack_candidate(options, t, node, provenance)
-        self._collector.skipped[reason] += 1  # tensors_seen counts them at the step's end
-        # Kept without its history: a tensor saved by the node that made it (tanh's result)
-        # would hold that node, which holds it, in a cycle that only backward breaks (Python's
-        # collector cannot see it). A tensor without a node (a parameter, an input) cannot be
-        # in one; nor can a parameter's view, whose node is a view's, which saves no tensor.
-        # Unpacking restores the history, after checking the version (see check_version).
-        if node is None or reason == "parameter":
-            return t, t._version
-        return t.detach(), t._version
+            return self._kept(t, node, "small")
+        if node is None and base.requires_grad:  # a parameter, or a view of one (weight.t())
+            return self._kept(t, node, "parameter")
+        cls = node.__class__
+        provenance = Provenance.RELU if cls in RELU_NODES else None if cls in UNRELATED_NODES else classify_node(node)
+        if provenance is not Provenance.RELU and self.marks.any and self.marks.covers(t):
+            provenance = Provenance.RELU
+        if provenance is None and options.select == "relu":
+            return self._kept(t, node, "not_relu_family")
+        return self._pack_selected(options, t, node, provenance)
 
-    def _pack_candidate(self, options: Options, t: torch.Tensor, node, provenance):
-        """``pack`` for a tensor that passed the screen: store it, or find it stored."""
+    def _pack_selected(self, options: Options, t: torch.Tensor, node, provenance):
+        """``pack`` for a tensor past the rule's screen (``node`` is its base's autograd node,
+        ``provenance`` what ``classify_node`` says of it): stored, found stored, or kept where
+        it cannot be."""
+        if t.dtype not in SUPPORTED_DTYPES:
+            return self._kept(t, node, "dtype")
+        if t.layout != torch.strided or not (t.is_cuda or t.is_cpu):
+            return self._kept(t, node, "layout_or_device")
+        if t.numel() > MAX_NUMEL:
+            return self._kept(t, node, "large")
         with self._lock:
             if self._step_over():
                 self._begin_step()
@@ -214,17 +197,35 @@ class Session:
                 found = self._recompute(t)
                 if found is not None:
                     stats.tensors_recomputed += 1
+            contiguous = t.is_contiguous()
             if found is None:
                 found = slot = self._store(options, t, site)
                 slot.slots += 1  # it restores t itself, whatever t's strides
-                if t.is_contiguous():  # a later save of its storage (or a view of it) finds it
+                if contiguous:  # a later save of its storage (or a view of it) finds it
                     self._stored.add(t, slot)
             else:
                 slot = self._slot(found, t)
-            self._note_source(t, found)
+            if contiguous:
+                self._note_source(t, node if t._base is None else t.grad_fn, found)
             slot.watch(t)
             self._packed[id(t)] = weakref.ref(slot)
             return slot
+
+    def _kept(self, t: torch.Tensor, node, reason: str) -> tuple[torch.Tensor, int]:
+        """What autograd saves for ``t``, of the autograd node ``node`` (its base's), kept as
+        it is for ``reason``."""
+        # Decided without the lock, as in pack_hook.
+        if self._backward_seen or (not self._live and self._collector.leased):
+            self.begin_step()
+        self._collector.skipped[reason] += 1  # tensors_seen counts them at the step's end
+        # Kept without its history: a tensor saved by the node that made it (tanh's result)
+        # would hold that node, which holds it, in a cycle that only backward breaks (Python's
+        # collector cannot see it). A tensor without a node (a parameter, an input) cannot be
+        # in one; nor can a parameter's view, whose node is a view's, which saves no tensor.
+        # Unpacking restores the history, after checking the version (see check_version).
+        if node is None or reason == "parameter":
+            return t, t._version
+        return t.detach(), t._version
 
     def store_compiled(
         self, options: Options, t: torch.Tensor, name: str, square: torch.Tensor | None = None
@@ -430,12 +431,12 @@ class Session:
         self._stored.add(result, recomputed)
         return recomputed
 
-    def _note_source(self, t: torch.Tensor, handle: Handle) -> None:
-        """Note that ``handle`` restores ``t``, under ``t``'s autograd identity, for a square
-        of ``t`` to find (last write wins: a tensor modified in place is packed again
-        before it is squared)."""
-        if t.grad_fn is not None and t.is_contiguous():
-            key = node_key(t.grad_fn, t.output_nr)
+    def _note_source(self, t: torch.Tensor, node, handle: Handle) -> None:
+        """Note that ``handle`` restores ``t``, a contiguous tensor of the autograd node
+        ``node``, under ``t``'s autograd identity, for a square of ``t`` to find (last write
+        wins: a tensor modified in place is packed again before it is squared)."""
+        if node is not None:
+            key = node_key(node, t.output_nr)
             self._sources[key] = (weakref.ref(handle), t.shape, t.stride(), t.storage_offset(), t.dtype)
 
     @staticmethod
