@@ -16,14 +16,12 @@ session, which compresses it into the device's arena exactly as in eager mode (m
 there is no room, confirmed asynchronously, leases, statistics) and returns a *key*, a
 one-element CPU tensor naming the handle; ``restore_into`` decodes the handle the key names
 into a buffer the backward graph allocated. The compiled graph saves only the key, so the
-handle lives exactly as long as the graph's saved tensors do. As in eager mode, a handle keeps
-the tensor's memory until the arena confirms that its values fit (and for good where they do
-not); compiled code would write over a buffer once past its last use (inductor reuses buffers
-and computes in place), so graphs compiled under BitSparse's hooks are compiled without that
-(``allow_buffer_reuse`` and ``inplace_buffers`` off): a freed buffer goes back to the caching
-allocator, which does not hand out memory a handle still holds. (Inductor's
-``never_reuse_buffers``, the narrower route, also never frees a buffer before the graph ends:
-it held every stored tensor's dense copy to the end of the compiled GPT's forward.)
+handle lives exactly as long as the graph's saved tensors do. Compiled code writes over a
+buffer once past its last use (inductor reuses buffers and computes in place), so a handle
+that keeps a tensor dense, until the arena confirms that its values fit or for good where they
+do not, keeps a copy of it (``Session.store_compiled``); a tensor the arena is sure to fit
+(every one of a steady step, with the spill region) is read by its encoder before any later
+kernel of the graph, in stream order, and nothing of it is kept.
 
 Three passes and a setting steer the compiler:
 
@@ -276,9 +274,10 @@ def _register_compile_callbacks() -> bool:
 def _steer_late() -> None:
     """Steer a compile that is tracing BitSparse's hooks unsteered, as after a
     ``torch._dynamo.reset()`` inside a block (which removed the callbacks the block counted
-    on): the partitioner has chosen already, but inductor must still not reuse buffers. The
-    end callback, registered now, restores the settings when the compile ends (or, for a
-    compile without Dynamo, the next compile's start or the block's end)."""
+    on): the partitioner has chosen already, but inductor's passes (``fuse_relu_squares``,
+    ``place_ops``) still place the stores and restores where they cost least. The end
+    callback, registered now, restores the settings when the compile ends (or, for a compile
+    without Dynamo, the next compile's start or the block's end)."""
     if getattr(_steering, "undo", None) is None:
         _register_compile_callbacks()
         _steering.compile = _begin_steering()
@@ -341,17 +340,14 @@ def _compile_ended(*_) -> None:
 
 
 def _steer_inductor(undo: list) -> None:
-    """If inductor compiles: no buffer reuse or in-place computation (see the module's
-    docstring), and ``fuse_relu_squares`` and ``place_ops`` after the post-grad passes (and
-    after any such pass already set); what is changed is noted in ``undo``."""
+    """If inductor compiles: ``fuse_relu_squares`` and ``place_ops`` after the post-grad
+    passes (and after any such pass already set); what is changed is noted in ``undo``."""
     config = sys.modules.get("torch._inductor.config")
     if config is None:
         return
-    values = {"allow_buffer_reuse": False, "inplace_buffers": False}
     passes = _post_grad_passes()
     if not isinstance(config.post_grad_custom_post_pass, passes):
-        values["post_grad_custom_post_pass"] = passes(config.post_grad_custom_post_pass)
-    _assign(config, values, undo)
+        _assign(config, {"post_grad_custom_post_pass": passes(config.post_grad_custom_post_pass)}, undo)
 
 
 def _assign(config, values: dict, undo: list) -> None:

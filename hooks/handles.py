@@ -20,6 +20,7 @@ import torch
 from bitsparse.codecs import Codec, relu
 from bitsparse.compressed import ValueBuffer
 from bitsparse.format import TileGeometry, dtype_spec
+from bitsparse.hooks.spans import span_end
 
 
 def check_version(t: torch.Tensor, version: int) -> None:
@@ -183,6 +184,16 @@ class StoredTensor(Handle):
         can go), or not (it stays, for good)."""
         if fits:
             self.dense = None
+
+    def keep_copy(self) -> None:
+        """Keep a copy of the dense tensor's elements rather than its memory, which its owner
+        may write over (a compiled graph's buffer, past its last use there)."""
+        site = self.site
+        kept = torch.empty(0, dtype=site.dtype, device=site.device)
+        kept.set_(self.dense, self.start, site.shape, site.stride)
+        span = span_end(kept) - self.start  # the storage elements it touches, overlapping strides included
+        copy = kept.new_empty(0).set_(self.dense, self.start, (span,), (1,)).clone()
+        self.dense, self.start = copy.untyped_storage(), 0
 
     @property
     def is_compressed(self) -> bool:

@@ -232,8 +232,9 @@ class Session:
     ) -> StoredTensor:
         """Store ``t``, which a compiled forward saves and selected at compile time (see
         ``hooks/compiled.py``) as the save site ``name``, as ``pack`` stores a tensor, with one
-        slot. The compiled code does not write over the memory of a buffer it freed (see
-        ``hooks/compiled.py``), so the handle may keep ``t``'s as eager handles do.
+        slot. The compiled code may write over ``t``'s memory once past this call (it reuses
+        buffers and computes in place), so a handle that keeps the tensor dense (held until
+        the arena confirms its values, or kept where they cannot be stored) keeps a copy.
 
         With ``square`` (a contiguous tensor like ``t``), ``t`` is the input of a ReLU whose
         output the forward saves and squares: the handle restores that ReLU output, and
@@ -247,11 +248,14 @@ class Session:
             if site.unprofitable or site.order is None:
                 collector.skipped["unprofitable_site" if site.order is not None else "overlapping_or_gapped"] += 1
                 self._square_alone(site, t, square)
-                return StoredTensor(t, site)
-            collector.stats.tensors_seen += 1
-            self._poll()
-            handle = self._store(options, t, site, square)
+                handle = StoredTensor(t, site)
+            else:
+                collector.stats.tensors_seen += 1
+                self._poll()
+                handle = self._store(options, t, site, square)
             handle.slots = 1
+            if handle.dense is not None:
+                handle.keep_copy()
             return handle
 
     def restore_compiled(self, handle: StoredTensor, out: torch.Tensor) -> None:

@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.nn as nn
 from helpers import assert_bitwise_equal, compress_relu_of
-from test_hooks import (  # noqa: F401 (clean_session: autouse fixture)
+from test_hooks import (  # noqa: F401 (clean_session: autouse fixture, reporting_arenas: fixture)
     OPTIONS,
     Block,
     CustomMLP,
+    LaggingDevice,
     alive,
     assert_same_grads,
     clean_session,
@@ -26,6 +27,7 @@ from test_hooks import (  # noqa: F401 (clean_session: autouse fixture)
     image_input,
     mlp,
     mlp_input,
+    reporting_arenas,
     sequence_input,
     train_step,
     transformer,
@@ -34,6 +36,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import bitsparse
 from bitsparse.bench.models import GPT, GPTConfig
+from bitsparse.hooks import handles
 
 
 @pytest.fixture(autouse=True)
@@ -202,8 +205,8 @@ def test_compiled_arena_that_is_full_stays_exact(relu_squares):
 
 def test_a_dynamo_reset_inside_a_block_leaves_its_compile_exact():
     """``torch._dynamo.reset()`` removes the compile callbacks that steer compiles: a compile
-    after it in the same block is steered late, without buffer reuse, so the tensors a full
-    arena keeps dense stay exact; the settings are restored when it ends."""
+    after it in the same block is steered late (the stores placed after their tensors), the
+    tensors a full arena keeps dense stay exact, and the settings are restored when it ends."""
     import torch._inductor.config as config
 
     settings = (config.allow_buffer_reuse, config.inplace_buffers, config.post_grad_custom_post_pass)
@@ -220,12 +223,13 @@ def test_a_dynamo_reset_inside_a_block_leaves_its_compile_exact():
     def reset_inside():
         with bitsparse.compressing(**options):
             torch._dynamo.reset()
-            codes.extend(_generated_code(lambda: compiled(x)))  # compiled here, without reuse
+            codes.extend(_generated_code(lambda: compiled(x)))  # compiled here
             yield
 
     assert_same_grads(train_step(compiled, x, reset_inside()), expected)
     assert bitsparse.stats().fallbacks.get("arena_full", 0) > 0
-    assert "bitsparse.store" in codes[0] and "# reuse" not in codes[0]
+    forward = _bitsparse_ops_among_kernels(codes[0])
+    assert forward.count("S") == 2 and "SS" not in forward, forward
     assert (config.allow_buffer_reuse, config.inplace_buffers, config.post_grad_custom_post_pass) == settings
 
 
@@ -329,9 +333,9 @@ def test_cuda_graphs_are_refused_with_the_alternative():
     assert stats[-1].tensors_compressed == 2
 
 
-def test_graphs_compiled_under_bitsparse_keep_freed_buffers():
-    """A handle keeps a stored tensor's memory until its fit is confirmed: compiled code must
-    not reuse or overwrite buffers when compiled under BitSparse's hooks, and only then."""
+def test_graphs_compiled_under_bitsparse_reuse_buffers():
+    """Compiled code reuses buffers and computes in place under BitSparse's hooks as without
+    them, and the compiler's settings are as they were after the compile."""
     import torch._inductor.config as config
 
     settings = (config.allow_buffer_reuse, config.inplace_buffers, config.post_grad_custom_post_pass)
@@ -340,8 +344,39 @@ def test_graphs_compiled_under_bitsparse_keep_freed_buffers():
     torch._dynamo.reset()
     with bitsparse.compressing(**OPTIONS):
         steered = _generated_code(lambda: compiled(mlp_input()))
-    assert "# reuse" in plain[0] and "# reuse" not in steered[0]
+    assert "bitsparse.store" in steered[0]
+    assert "# reuse" in plain[0] and "# reuse" in steered[0]
     assert (config.allow_buffer_reuse, config.inplace_buffers, config.post_grad_custom_post_pass) == settings
+
+
+@pytest.mark.usefixtures("reporting_arenas")
+@pytest.mark.parametrize("relu_squares", [False, True], ids=["relus", "relu_squares"])
+def test_held_tensors_of_a_compiled_graph_are_copies(monkeypatch, relu_squares):
+    """With the GPU three appends behind the host and no spill region, the arena is not sure
+    of every store: those tensors are held until their reports come, as copies, since the
+    graph writes over their buffers past the store (reused, or computed in place), and the
+    gradients stay those of the compiled model without BitSparse, bit for bit."""
+    LaggingDevice(monkeypatch, lag=3)
+    copies = []
+    keep_copy = handles.StoredTensor.keep_copy
+    monkeypatch.setattr(handles.StoredTensor, "keep_copy", lambda handle: copies.append(keep_copy(handle)))
+    torch.manual_seed(0)
+    layers = [layer for _ in range(6) for layer in (nn.Linear(64, 64), nn.ReLU())]
+    model = (ReLUSquares if relu_squares else nn.Sequential)(*layers)
+    stats, frames, _ = compiled_steps(model, torch.randn(64, 64), steps=3, capacity="auto", host_spill=False)
+    stored = stats[0].fallbacks["arena_full"]  # the first step only measures: all kept
+    assert frames == 1 and stored >= 5 and stats[0].tensors_compressed == 0
+    assert all(s.tensors_compressed == stored and s.fallbacks == {} for s in stats[1:])
+    assert len(copies) > stored + 2  # the first step's kept tensors, and some held in each step after
+
+
+class ReLUSquares(nn.Sequential):
+    """Linear and ReLU layers, each ReLU output squared before the next layer (fused stores)."""
+
+    def forward(self, x):
+        for layer in self:
+            x = layer(x) ** 2 if isinstance(layer, nn.ReLU) else layer(x)
+        return x
 
 
 _COMPILE_INSIDE = """
@@ -352,9 +387,9 @@ x = torch.randn(64, 32)
 with bitsparse.compressing(min_numel=1024, capacity=1 << 20):
     loss = torch.compile(model)(x).sum()  # inductor is loaded here, inside the block
     import torch._inductor.config as config
-    assert not config.allow_buffer_reuse and not config.inplace_buffers
+    assert config.post_grad_custom_post_pass is not None
 loss.backward()
-assert config.allow_buffer_reuse and config.inplace_buffers
+assert config.post_grad_custom_post_pass is None
 assert bitsparse.stats().tensors_compressed == 1, bitsparse.stats()
 print("OK")
 """
