@@ -73,7 +73,8 @@ _installed: dict[int, tuple] = {}
 """The session and options of each hook pair, by number: the ops take plain values."""
 _numbers = itertools.count()
 _handles: dict[int, tuple] = {}
-"""The (session, handle) pair each key of a compiled graph names, while the key lives."""
+"""The session and handle each key of a compiled graph names, while the key lives (and the
+key's weak reference)."""
 _keys = itertools.count()
 _AOT_GRAPH_COMPILE = "torch._functorch._aot_autograd.graph_compile"
 
@@ -539,16 +540,17 @@ def _stored(x: torch.Tensor, hooks: int, site: str, square: torch.Tensor | None 
     session, options = _installed[hooks]
     handle = session.store_compiled(options, x, site, square)
     number = next(_keys)
-    _handles[number] = (session, handle)
     key = torch.full((1,), number, dtype=torch.int64)  # torch.tensor([number]) takes twice the host time
-    weakref.finalize(key, _handles.pop, number, None)
+    # The entry holds the key's weak reference, whose callback drops the entry with the key
+    # (a seventh of weakref.finalize's host time).
+    _handles[number] = (session, handle, weakref.ref(key, lambda _, number=number: _handles.pop(number, None)))
     return key
 
 
 def restore_into(key: torch.Tensor, out: torch.Tensor) -> None:
     """``bitsparse::restore_into``: write the tensor whose handle ``key`` names, bit for bit,
     into ``out`` (of its shape, strides and dtype)."""
-    session, handle = _handles[int(key)]
+    session, handle, _ = _handles[int(key)]
     session.restore_compiled(handle, out)
 
 
