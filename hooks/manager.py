@@ -190,7 +190,10 @@ class Session:
             stats.tensors_seen += 1
             # Confirmed tensors release their dense copy here, during the forward.
             self._poll()
-            found = self._stored.find(t)
+            # A tensor its own node made is not in another's span at its version: that node
+            # allocated it, or wrote it in place, which moved the version (the same tensor
+            # saved again was found above).
+            found = None if t._base is None and t.grad_fn is node else self._stored.find(t)
             if found is not None:
                 stats.tensors_deduplicated += 1
             elif options.recompute_squares and node.__class__ not in RELU_NODES:

@@ -137,9 +137,9 @@ class LaunchSpy:
     def ready(self, device, key):
         return self.launcher.ready(device, key)
 
-    def launch(self, compiled, grid, device, args):
+    def launch(self, direct, grid, device, args):
         self.calls.append(args)
-        self.launcher.launch(compiled, grid, device, args)
+        self.launcher.launch(direct, grid, device, args)
 
 
 def gluon_launches(monkeypatch, launchers: dict, bits: int) -> list:
@@ -302,6 +302,33 @@ def test_launch_key_determines_the_compiled_kernel(monkeypatch):
             storage, counters[:1], counters[1:], dtype_spec(storage.dtype), TileGeometry(), False, relu_square=squares
         )
     assert len(launches) == len(modes) * (2 * (2 * 5 + len(GPU_DTYPES) + 1) + 2 * 2 + 1)
+
+
+@pytest.mark.skipif(
+    not triton_codec._FAST_LAUNCH or triton_codec._STATIC_LAUNCHER is None, reason="direct launches through Triton"
+)
+def test_direct_launches_go_through_pytorchs_static_launcher(monkeypatch):
+    """Every kernel the codec compiles for tensors of more than one element is one PyTorch's
+    static launcher launches (the direct launches of the other tests restore their tensors bit
+    for bit), so none pays Triton's slower launch. (A one-element tensor's count is a
+    constexpr among the arguments: Triton launches it.)"""
+    launchers = [triton_codec._encode_launcher, triton_codec._decode_launcher, triton_codec._measure_launcher]
+    launchers += [*triton_codec._gluon_encode_launchers.values(), *triton_codec._gluon_decode_launchers.values()]
+    for launcher in launchers:  # this test's kernels only
+        monkeypatch.setattr(launcher, "_compiled", {})
+        monkeypatch.setattr(launcher, "_direct", {})
+    g = cuda_generator("static launches")
+    for dtype in GPU_DTYPES:
+        for sign_pack in (False, True):
+            x = make_input(3 * 4096 + 17, dtype, 0.5, g)
+            assert_bitwise_equal(decompress(compress(x, sign_pack=sign_pack)), x)
+    x = make_input(3 * 4096 + 17, torch.bfloat16, 0.5, g)
+    value, square = decompress_with(compress(x), get_codec("triton", x.device), square=True)
+    assert_bitwise_equal(value, x)
+    assert_bitwise_equal(square, torch.square(x))
+    compiled = [kernel for launcher in launchers for kernel in launcher._compiled.values()]
+    assert len(compiled) >= 2 * len(GPU_DTYPES)
+    assert [kernel for kernel in compiled if triton_codec._static_arg_types(kernel) is None] == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=dtype_id)

@@ -127,3 +127,54 @@ def test_unverified_release_warns_once_and_does_not_load_gluon():
     assert "fast_launch False" in out  # a launcher not read: Triton's own launch
     assert "warnings 1" in out
     assert "triton 3.99.0 is installed" in out and f"verified with triton {VERIFIED}" in out
+
+
+class FakeCompiled:
+    """What ``_static_arg_types`` reads of a compiled kernel: its signature and metadata."""
+
+    def __init__(self, signature: dict, **metadata):
+        self.src = type("Source", (), {"signature": signature})()
+        defaults = {"global_scratch_size": 0, "profile_scratch_size": 0, "num_ctas": 1, "launch_pdl": False}
+        self.metadata = type("Metadata", (), {**defaults, **metadata})()
+
+
+ENCODER_SIGNATURE = {"x_ptr": "*bf16", "report_ptr": "*i64", "numel": "i32", "size": "i64", "TILE": "constexpr"}
+
+
+@pytest.fixture
+def static_launcher(monkeypatch):
+    """A PyTorch build with the static launcher (CUDA's), whatever this one is."""
+    monkeypatch.setattr(triton_codec, "_STATIC_LAUNCHER", object())
+    monkeypatch.setattr(torch.version, "hip", None)
+
+
+def test_static_launch_types_are_the_kernels_arguments_then_two_scratch_pointers(static_launcher):
+    assert triton_codec._static_arg_types(FakeCompiled(ENCODER_SIGNATURE)) == "OOilOO"
+
+
+@pytest.mark.parametrize(
+    "signature, metadata",
+    [
+        (ENCODER_SIGNATURE, {"global_scratch_size": 64}),  # scratch memory Triton's launcher allocates
+        (ENCODER_SIGNATURE, {"profile_scratch_size": 8}),
+        (ENCODER_SIGNATURE, {"num_ctas": 2}),
+        (ENCODER_SIGNATURE, {"launch_pdl": True}),
+        (ENCODER_SIGNATURE, {"launch_cooperative_grid": True}),
+        (ENCODER_SIGNATURE, {"tensordesc_meta": [{"block": 16}]}),
+        ({"x_ptr": "*bf16", "ONE": "constexpr", "numel": "i32"}, {}),  # a constexpr among the arguments
+        ({"x_ptr": "*bf16", "desc": "nvTmaDesc"}, {}),
+    ],
+)
+def test_kernels_the_static_launcher_would_launch_otherwise_go_through_triton(static_launcher, signature, metadata):
+    assert triton_codec._static_arg_types(FakeCompiled(signature, **metadata)) is None
+
+
+def test_a_triton_without_scratch_metadata_goes_through_triton(static_launcher):
+    compiled = FakeCompiled(ENCODER_SIGNATURE)
+    del type(compiled.metadata).profile_scratch_size  # the kernel's parameters are not known
+    assert triton_codec._static_arg_types(compiled) is None
+
+
+def test_without_the_static_launcher_kernels_go_through_triton(monkeypatch):
+    monkeypatch.setattr(triton_codec, "_STATIC_LAUNCHER", None)
+    assert triton_codec._static_arg_types(FakeCompiled(ENCODER_SIGNATURE)) is None

@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import re
 import warnings
+from typing import Callable
 
 import torch
 import triton
@@ -369,6 +370,9 @@ class _Launcher:
         self._kernel = kernel
         self.options = options
         self._compiled: dict[tuple, object] = {}
+        """The kernel Triton compiled for each device and key."""
+        self._direct: dict[tuple, Callable[[int, int, tuple], None]] = {}
+        """Its direct launch (``_direct_launch``)."""
 
     def __call__(self, grid: int, device: int, key: tuple, args: tuple) -> None:
         """Launch ``grid`` programs on CUDA device ``device`` with ``args`` (every parameter,
@@ -381,32 +385,32 @@ class _Launcher:
             with torch.cuda.device(device):
                 self(grid, device, key, args)
             return
-        compiled = self.ready(device, key)
-        if compiled is None:
+        direct = self.ready(device, key)
+        if direct is None:
             # Triton's own path: compiles on first use, and runs any launch hooks (profilers).
             # Where the direct launch below is not known to work, nothing is kept and every
             # launch takes this path.
             compiled = self._kernel[(grid,)](*args, **self.options)
             if _FAST_LAUNCH and _launchable(compiled):
                 self._compiled[(device,) + key] = compiled
+                self._direct[(device,) + key] = _direct_launch(compiled)
             return
-        self.launch(compiled, grid, device, args)
+        self.launch(direct, grid, device, args)
 
     def ready(self, device: int, key: tuple):
-        """The compiled kernel to ``launch`` directly for ``key`` on ``device``, the current
-        device; None when the launch must go through ``__call__`` (the first with this key, a
-        profiler's launch hooks installed, or the interpreter)."""
+        """The direct launch of the kernel compiled for ``key`` on ``device``, the current
+        device, to pass to ``launch``; None when the launch must go through ``__call__`` (the
+        first with this key, a profiler's launch hooks installed, or the interpreter)."""
         if INTERPRETED or _launch_hooks_set() or torch._C._cuda_getDevice() != device:
             return None
-        return self._compiled.get((device,) + key)
+        return self._direct.get((device,) + key)
 
     @staticmethod
-    def launch(compiled, grid: int, device: int, args: tuple) -> None:
-        """Launch ``compiled`` (from ``ready``) on the current stream. Pointers in ``args`` may
+    def launch(direct, grid: int, device: int, args: tuple) -> None:
+        """Launch ``direct`` (from ``ready``) on the current stream. Pointers in ``args`` may
         be addresses (ints): the launcher then neither calls ``data_ptr`` nor asks the driver
         what the pointer is, which was most of a launch's host time."""
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+        direct(grid, torch._C._cuda_getCurrentRawStream(device), args)
 
 
 def _launch_hooks_set() -> bool:
@@ -419,6 +423,66 @@ def _launch_hooks_set() -> bool:
 def _launchable(compiled) -> bool:
     """Whether ``compiled`` (what a launch through Triton returned) has what the direct launch calls."""
     return all(hasattr(compiled, attribute) for attribute in ("run", "function", "packed_metadata"))
+
+
+def _direct_launch(compiled) -> Callable[[int, int, tuple], None]:
+    """``launch(grid, stream, args)`` for ``compiled``, ``args`` as ``_Launcher`` takes them.
+
+    Through PyTorch's launcher of Triton kernels (``torch._C._StaticCudaLauncher``, which
+    inductor's generated code uses) where the kernel is one it launches as Triton would:
+    given each argument's type once, it launches with about 2 us less host time than the
+    compiled kernel's own launcher (docs/benchmarks.md). Through that launcher otherwise.
+    """
+    arg_types = _static_arg_types(compiled)
+    if arg_types is None:
+        run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+
+        def launch(grid: int, stream: int, args: tuple) -> None:
+            run(grid, 1, 1, stream, function, metadata, None, None, None, *args)
+
+        return launch
+    launch_kernel, function = _STATIC_LAUNCHER._launch_kernel, compiled.function
+    warps, shared = compiled.metadata.num_warps, compiled.metadata.shared
+    count, scratch = len(arg_types) - _SCRATCH_POINTERS, (None,) * _SCRATCH_POINTERS
+
+    def launch(grid: int, stream: int, args: tuple) -> None:
+        # The constexprs come last, and the kernel takes none of them.
+        launch_kernel(function, grid, 1, 1, warps, shared, arg_types, args[:count] + scratch, stream)
+
+    return launch
+
+
+_STATIC_LAUNCHER = getattr(torch._C, "_StaticCudaLauncher", None)
+_SCRATCH_POINTERS = 2
+"""The pointers a compiled kernel takes after its own arguments (Triton's global and profile
+scratch), None where it needs no scratch memory."""
+_STATIC_TYPES = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I", "u8": "B", "u16": "H"}
+_STATIC_TYPES.update({"u32": "I", "u64": "K", "fp16": "f", "bf16": "f", "fp32": "f", "fp64": "d"})
+"""The static launcher's code for each scalar type of a Triton signature (pointers: "O")."""
+
+
+def _static_arg_types(compiled) -> str | None:
+    """The static launcher's argument types for ``compiled`` (its arguments, then the scratch
+    pointers), or None where it does not launch the kernel as Triton would: a kernel that
+    needs scratch memory, clusters, a cooperative grid, programmatic dependent launch or
+    tensor descriptors, a constexpr before a runtime argument, an unknown type, or ROCm."""
+    metadata = compiled.metadata
+    if _STATIC_LAUNCHER is None or torch.version.hip is not None:
+        return None
+    for attribute in ("global_scratch_size", "profile_scratch_size"):
+        if getattr(metadata, attribute, None) != 0:
+            return None
+    unsupported = ("launch_cooperative_grid", "launch_pdl", "tensordesc_meta")
+    if getattr(metadata, "num_ctas", 1) != 1 or any(getattr(metadata, a, None) for a in unsupported):
+        return None
+    types = list(compiled.src.signature.values())
+    runtime = [t for t in types if t != "constexpr"]
+    if types[: len(runtime)] != runtime:
+        return None
+    codes = ["O" if t.startswith("*") else _STATIC_TYPES.get(t) for t in runtime]
+    if None in codes:
+        return None
+    return "".join(codes) + "O" * _SCRATCH_POINTERS
 
 
 def triton_release(version: str) -> tuple[int, int]:
@@ -617,32 +681,33 @@ def encoder(stream, cursor, appends, spec, geometry, sign_pack, numel, count_non
         report_arg = base if report_word is None else report_word
         nonzeros_arg = cursor if nonzeros is None else nonzeros
         nonzeros_address = cursor_address if nonzeros is None else nonzeros.data_ptr()
-        # The report word may be pinned host memory: passed as a tensor, the launcher asks the
-        # driver for its device address.
+        # The report word may be pinned host memory, whose host address is its device address
+        # too (unified addressing): as an int, the launcher does not ask the driver for it.
+        report_address = base_address if report_word is None else report_word.data_ptr()
         if gluon and x_address % 16 == 0 and square_address % 16 == 0:  # it moves both in 16-byte vectors
             key = gluon_keys[fixed_aligned]
-            compiled = gluon_launcher.ready(device, key)
-            if compiled is None:
+            direct = gluon_launcher.ready(device, key)
+            if direct is None:
                 args = (x, stream, fixed, cursor, appends, base, report_arg, nonzeros_arg, square_arg)
                 tail = (numel, capacity, num_tiles, gluon_programs) + gluon_constexprs
                 gluon_launcher(gluon_programs, device, key, args + tail)
                 return
             args = (x_address, stream_address, fixed_address, cursor_address, appends_address, base_address)
-            args += (report_arg, nonzeros_address, square_address, numel, capacity, num_tiles, gluon_programs)
-            gluon_launcher.launch(compiled, gluon_programs, device, args + gluon_constexprs)
+            args += (report_address, nonzeros_address, square_address, numel, capacity, num_tiles, gluon_programs)
+            gluon_launcher.launch(direct, gluon_programs, device, args + gluon_constexprs)
             return
         key = key_head + (x_address % 16 == 0, square_address % 16 == 0) + key_tail + (fixed_aligned,) + key_end
         scratch = torch.empty(programs * tile, dtype=spec.bits_dtype, device=x.device) if sign_pack else x
-        compiled = _encode_launcher.ready(device, key)
-        if compiled is None:
+        direct = _encode_launcher.ready(device, key)
+        if direct is None:
             args = (x, stream, fixed, cursor, appends, base, report_arg, nonzeros_arg, scratch, square_arg)
             tail = (numel, capacity, num_tiles, programs, tiles_per_program) + constexprs
             _encode_launcher(programs, device, key, args + tail)
             return
-        args = (x_address, stream_address, fixed_address, cursor_address, appends_address, base_address, report_arg)
-        args += (nonzeros_address, scratch.data_ptr(), square_address)
+        args = (x_address, stream_address, fixed_address, cursor_address, appends_address, base_address)
+        args += (report_address, nonzeros_address, scratch.data_ptr(), square_address)
         tail = (numel, capacity, num_tiles, programs, tiles_per_program)
-        _encode_launcher.launch(compiled, programs, device, args + tail + constexprs)
+        _encode_launcher.launch(direct, programs, device, args + tail + constexprs)
 
     return encode_into
 
@@ -710,13 +775,13 @@ def decoder(stream, spec, geometry, sign_pack, numel):
         out_address, square_address, fixed_address = out.data_ptr(), square_arg.data_ptr(), fixed.data_ptr()
         key = (dtype, dtype, out_address % 16 == 0, square_address % 16 == 0, stream_aligned, fixed_address % 16 == 0)
         key += (_int_class(numel),) + constexprs[square is not None]
-        compiled = launcher.ready(device, key)
-        if compiled is None:
+        direct = launcher.ready(device, key)
+        if direct is None:
             args = (out, square_arg, stream, fixed, base) + tail + constexprs[square is not None]
             launcher(programs, device, key, args)
             return
         args = (out_address, square_address, stream_address, fixed_address, base.data_ptr()) + tail
-        launcher.launch(compiled, programs, device, args + constexprs[square is not None])
+        launcher.launch(direct, programs, device, args + constexprs[square is not None])
 
     return decode_into
 
