@@ -1,7 +1,7 @@
 """Host cost of the operations a stored tensor needs, on CUDA: aten views and copies, events,
-Triton launches (through JITFunction and through the compiled kernel directly) and the codec
-API on one-tile tensors (so that the GPU keeps up); and whether a Triton kernel can write a
-pinned host tensor (zero-copy)."""
+Triton launches (through JITFunction, the compiled kernel's launcher and the codec's direct
+launch) and the codec API on one-tile tensors (so that the GPU keeps up); and whether a Triton
+kernel can write a pinned host tensor (zero-copy)."""
 
 import time
 
@@ -73,6 +73,10 @@ def main():
     costs["compiled 2-arg kernel .run"] = lambda: compiled.run(
         1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, cursor, 3
     )
+    direct = triton_codec._direct_launch(compiled)  # the codec's direct launch: the static launcher
+    address = cursor.data_ptr()
+    costs["direct launch, 2-arg kernel"] = lambda: direct(1, stream, (address, 3))
+    costs["x.record_stream(stream)"] = lambda: x.record_stream(torch.cuda.current_stream())
     print(f"{'operation':<32}{'us/call':>9}")
     for name, fn in costs.items():
         n = 2000
