@@ -134,7 +134,8 @@ class FakeCompiled:
 
     def __init__(self, signature: dict, **metadata):
         self.src = type("Source", (), {"signature": signature})()
-        defaults = {"global_scratch_size": 0, "profile_scratch_size": 0, "num_ctas": 1, "launch_pdl": False}
+        defaults = {"num_warps": 4, "shared": 1024, "global_scratch_size": 0, "profile_scratch_size": 0}
+        defaults.update(num_ctas=1, launch_pdl=False)
         self.metadata = type("Metadata", (), {**defaults, **metadata})()
 
 
@@ -169,12 +170,44 @@ def test_kernels_the_static_launcher_would_launch_otherwise_go_through_triton(st
     assert triton_codec._static_arg_types(FakeCompiled(signature, **metadata)) is None
 
 
-def test_a_triton_without_scratch_metadata_goes_through_triton(static_launcher):
+@pytest.mark.parametrize("missing", ["profile_scratch_size", "shared", "signature"])
+def test_a_compiled_kernel_that_does_not_say_enough_goes_through_triton(static_launcher, missing):
+    """Another Triton's compiled kernel: without its scratch sizes the kernel's parameters are
+    not known, without its shared memory or signature the launch cannot be built."""
     compiled = FakeCompiled(ENCODER_SIGNATURE)
-    del type(compiled.metadata).profile_scratch_size  # the kernel's parameters are not known
+    delattr(type(compiled.src if missing == "signature" else compiled.metadata), missing)
     assert triton_codec._static_arg_types(compiled) is None
+
+
+def test_a_signature_with_nested_types_goes_through_triton(static_launcher):
+    signature = {"x_ptr": "*bf16", "pair": ("*fp32", "i32")}  # a tuple argument
+    assert triton_codec._static_arg_types(FakeCompiled(signature)) is None
 
 
 def test_without_the_static_launcher_kernels_go_through_triton(monkeypatch):
     monkeypatch.setattr(triton_codec, "_STATIC_LAUNCHER", None)
     assert triton_codec._static_arg_types(FakeCompiled(ENCODER_SIGNATURE)) is None
+
+
+_IMPORT_WITH_TORCH_VERSION = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from torch.torch_version import TorchVersion
+    torch.__version__ = TorchVersion(sys.argv[1])
+    torch._C._StaticCudaLauncher = object()  # a CUDA build's launcher, on any build
+    from bitsparse.codecs import triton_codec
+    print("static", triton_codec._STATIC_LAUNCHER is torch._C._StaticCudaLauncher)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "version, static", [("2.10.0", False), ("2.11.0+cu130", True), ("2.13.1", True), ("2.14.0", False)]
+)
+def test_the_static_launcher_is_used_only_on_the_pytorch_releases_read(version, static):
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORT_WITH_TORCH_VERSION, version], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"static {static}" in result.stdout

@@ -33,7 +33,9 @@ Both rely on Triton internals that change between releases. The Gluon kernels ru
 the Triton release they were verified with (``GLUON_TRITON``); on CUDA with another one the
 portable kernels serve every call, and the first use says so once (``SlowKernelsWarning``).
 The direct launch is used on the releases whose launcher was checked (``FAST_LAUNCH_TRITON``),
-Triton's own launch on others.
+Triton's own launch on others; it goes through PyTorch's static launcher on the PyTorch
+releases whose launcher was read (``STATIC_LAUNCH_TORCH``), through the compiled kernel's own
+launcher on others.
 
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors; the interpreter has no popcount
 instruction, so a SWAR popcount is compiled in instead of ``libdevice.popc``.
@@ -452,7 +454,15 @@ def _direct_launch(compiled) -> Callable[[int, int, tuple], None]:
     return launch
 
 
-_STATIC_LAUNCHER = getattr(torch._C, "_StaticCudaLauncher", None)
+STATIC_LAUNCH_TORCH = ((2, 11), (2, 13))
+"""The PyTorch releases (first and last) whose static launcher ``_direct_launch`` calls was read
+in their sources: ``_launch_kernel(function, grid_x, grid_y, grid_z, num_warps, shared,
+arg_types, args, stream)``; other releases launch through the compiled kernel's launcher."""
+_STATIC_LAUNCHER = (
+    getattr(torch._C, "_StaticCudaLauncher", None)
+    if STATIC_LAUNCH_TORCH[0] <= torch.__version__ < (STATIC_LAUNCH_TORCH[1][0], STATIC_LAUNCH_TORCH[1][1] + 1)
+    else None
+)
 _SCRATCH_POINTERS = 2
 """The pointers a compiled kernel takes after its own arguments (Triton's global and profile
 scratch), None where it needs no scratch memory."""
@@ -465,9 +475,14 @@ def _static_arg_types(compiled) -> str | None:
     """The static launcher's argument types for ``compiled`` (its arguments, then the scratch
     pointers), or None where it does not launch the kernel as Triton would: a kernel that
     needs scratch memory, clusters, a cooperative grid, programmatic dependent launch or
-    tensor descriptors, a constexpr before a runtime argument, an unknown type, or ROCm."""
-    metadata = compiled.metadata
-    if _STATIC_LAUNCHER is None or torch.version.hip is not None:
+    tensor descriptors, a constexpr before a runtime argument, an unknown type, ROCm, a
+    compiled kernel that does not say all of this (another Triton's), or a PyTorch without
+    the launcher or whose launcher was not read (``STATIC_LAUNCH_TORCH``)."""
+    metadata = getattr(compiled, "metadata", None)
+    signature = getattr(getattr(compiled, "src", None), "signature", None)
+    if _STATIC_LAUNCHER is None or torch.version.hip is not None or not isinstance(signature, dict):
+        return None
+    if not all(isinstance(getattr(metadata, attribute, None), int) for attribute in ("num_warps", "shared")):
         return None
     for attribute in ("global_scratch_size", "profile_scratch_size"):
         if getattr(metadata, attribute, None) != 0:
@@ -475,7 +490,9 @@ def _static_arg_types(compiled) -> str | None:
     unsupported = ("launch_cooperative_grid", "launch_pdl", "tensordesc_meta")
     if getattr(metadata, "num_ctas", 1) != 1 or any(getattr(metadata, a, None) for a in unsupported):
         return None
-    types = list(compiled.src.signature.values())
+    types = list(signature.values())
+    if not all(isinstance(t, str) for t in types):
+        return None
     runtime = [t for t in types if t != "constexpr"]
     if types[: len(runtime)] != runtime:
         return None
