@@ -190,11 +190,7 @@ class Session:
             stats.tensors_seen += 1
             # Confirmed tensors release their dense copy here, during the forward.
             self._poll()
-            # A tensor that is not a view was allocated by the op that made it, or written in
-            # place since, which moved its version: no earlier span holds it at its version,
-            # but through an alias autograd does not track (``detach()``), whose tensor is then
-            # stored again, exactly. The same tensor saved again was found above.
-            found = None if t._base is None else self._stored.find(t)
+            found = self._stored.find(t)
             if found is not None:
                 stats.tensors_deduplicated += 1
             elif options.recompute_squares and node.__class__ not in RELU_NODES:
