@@ -25,10 +25,17 @@ VERIFIED = ".".join(map(str, triton_codec.GLUON_TRITON))
 
 @pytest.mark.parametrize(
     "version, release",
-    [("3.6.0", (3, 6)), ("3.7.1", (3, 7)), ("3.10.0", (3, 10)), ("3.7.0+git1a2b3c4", (3, 7)), ("unknown", (0, 0))],
+    [
+        ("3.6.0", (3, 6)),
+        ("3.7.1", (3, 7)),
+        ("3.10.0", (3, 10)),
+        ("3.7.0+git1a2b3c4", (3, 7)),
+        ("2.11.0+cu130", (2, 11)),
+        ("unknown", (0, 0)),
+    ],
 )
-def test_triton_release(version, release):
-    assert triton_codec.triton_release(version) == release
+def test_release(version, release):
+    assert triton_codec.release(version) == release
 
 
 @pytest.mark.parametrize("version", [VERIFIED + ".0", VERIFIED + ".1", VERIFIED + ".0+gitabcdef"])

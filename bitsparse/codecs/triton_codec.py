@@ -454,15 +454,6 @@ def _direct_launch(compiled) -> Callable[[int, int, tuple], None]:
     return launch
 
 
-STATIC_LAUNCH_TORCH = ((2, 11), (2, 13))
-"""The PyTorch releases (first and last) whose static launcher ``_direct_launch`` calls was read
-in their sources: ``_launch_kernel(function, grid_x, grid_y, grid_z, num_warps, shared,
-arg_types, args, stream)``; other releases launch through the compiled kernel's launcher."""
-_STATIC_LAUNCHER = (
-    getattr(torch._C, "_StaticCudaLauncher", None)
-    if STATIC_LAUNCH_TORCH[0] <= torch.__version__ < (STATIC_LAUNCH_TORCH[1][0], STATIC_LAUNCH_TORCH[1][1] + 1)
-    else None
-)
 _SCRATCH_POINTERS = 2
 """The pointers a compiled kernel takes after its own arguments (Triton's global and profile
 scratch), None where it needs no scratch memory."""
@@ -502,14 +493,14 @@ def _static_arg_types(compiled) -> str | None:
     return "".join(codes) + "O" * _SCRATCH_POINTERS
 
 
-def triton_release(version: str) -> tuple[int, int]:
-    """``(major, minor)`` of a Triton version string ("3.6.0", "3.7.0+git1a2b3c"); (0, 0) if
-    it has none."""
+def release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version string ("3.6.0", "3.7.0+git1a2b3c", "2.11.0+cu130");
+    (0, 0) if it has none."""
     match = re.match(r"(\d+)\.(\d+)", version)
     return (int(match[1]), int(match[2])) if match else (0, 0)
 
 
-_TRITON = triton_release(triton.__version__)
+_TRITON = release(triton.__version__)
 FAST_LAUNCH_TRITON = ((3, 6), (3, 9))
 """The Triton releases (first and last) whose launch ``_Launcher`` calls directly was read in
 their sources: ``CompiledKernel.run(grid_x, grid_y, grid_z, stream, function,
@@ -519,6 +510,16 @@ _FAST_LAUNCH = (
     and hasattr(knobs, "runtime")
     and hasattr(knobs.runtime, "launch_enter_hook")
     and FAST_LAUNCH_TRITON[0] <= _TRITON <= FAST_LAUNCH_TRITON[1]
+)
+
+STATIC_LAUNCH_TORCH = ((2, 11), (2, 13))
+"""The PyTorch releases (first and last) whose static launcher ``_direct_launch`` calls was read
+in their sources: ``_launch_kernel(function, grid_x, grid_y, grid_z, num_warps, shared,
+arg_types, args, stream)``; other releases launch through the compiled kernel's launcher."""
+_STATIC_LAUNCHER = (
+    getattr(torch._C, "_StaticCudaLauncher", None)
+    if STATIC_LAUNCH_TORCH[0] <= release(torch.__version__) <= STATIC_LAUNCH_TORCH[1]
+    else None
 )
 
 _encode_launcher = _Launcher(_encode_kernel, num_warps=ENCODE_NUM_WARPS)
@@ -545,7 +546,7 @@ def gluon_decision(version: str, interpreted: bool, hip: str | None) -> tuple[bo
     """
     if interpreted or hip is not None:
         return False, None
-    if triton_release(version) == GLUON_TRITON:
+    if release(version) == GLUON_TRITON:
         return True, None
     verified = ".".join(map(str, GLUON_TRITON))
     return False, (
