@@ -51,12 +51,12 @@ class Handle:
         self._saved: weakref.ref | None = None
         self._saved_version = 0
 
-    def watch(self, t: torch.Tensor) -> None:
-        """Remember (weakly) the saved tensor ``t`` and its version, for unpack to check. A
-        handle serving several slots watches the first: the others are ``t`` or views of it,
-        which share its version counter."""
+    def watch(self, t: torch.Tensor, version: int) -> None:
+        """Remember (weakly) the saved tensor ``t`` and its ``version``, for unpack to check.
+        A handle serving several slots watches the first: the others are ``t`` or views of
+        it, which share its version counter."""
         if self._saved is None:
-            self._saved, self._saved_version = weakref.ref(t), t._version
+            self._saved, self._saved_version = weakref.ref(t), version
 
     def watches(self, t: torch.Tensor) -> bool:
         """Whether this handle watches ``t`` itself, at ``t``'s current version."""
@@ -109,7 +109,7 @@ class Site:
         "name", "shape", "stride", "dtype", "device", "order", "stored_shape", "numel", "dense_bytes", "dense_words",
         "spec",
         "fixed_words", "max_value_words", "codec", "sign_pack", "relu_inputs", "values", "encode", "decode",
-        "unprofitable",
+        "unprofitable", "arena", "arena_options",
     )  # fmt: skip
 
     def __init__(
@@ -129,6 +129,8 @@ class Site:
         self.codec, self.sign_pack = codec, sign_pack
         self.unprofitable = False
         """Whether the session learned that tensors of this name do not pay (it sets this)."""
+        self.arena = self.arena_options = None
+        """The arena the session stores this site's tensors in, and the options it is for."""
         self.forget_buffer()
 
     def prepare(self, values: ValueBuffer, geometry: TileGeometry, report: bool) -> None:

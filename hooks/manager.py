@@ -34,7 +34,7 @@ from bitsparse.hooks.provenance import (
     node_key,
     squared_input,
 )
-from bitsparse.hooks.spans import SpanIndex
+from bitsparse.hooks.spans import SpanIndex, span_of
 from bitsparse.hooks.stats import Stats, StepCollector
 
 MAX_SITES = 4096
@@ -188,26 +188,28 @@ class Session:
                 collector.skipped[reason] += 1
                 return (t if node is None else t.detach()), t._version
             stats.tensors_seen += 1
-            # Confirmed tensors release their dense copy here, during the forward.
-            self._poll()
-            found = self._stored.find(t)
+            if collector.holds:  # confirmed tensors release their dense copy here, during the forward
+                self._poll()
+            contiguous = not site.order  # the site's tensors are all alike
+            span = span_of(t, site.numel if contiguous else None)
+            found = self._stored.find(span)
             if found is not None:
                 stats.tensors_deduplicated += 1
             elif options.recompute_squares and node.__class__ not in RELU_NODES:
                 found = self._recompute(t)
                 if found is not None:
                     stats.tensors_recomputed += 1
-            contiguous = t.is_contiguous()
+            base = t._base
             if found is None:
                 found = slot = self._store(options, t, site)
                 slot.slots += 1  # it restores t itself, whatever t's strides
                 if contiguous:  # a later save of its storage (or a view of it) finds it
-                    self._stored.add(t, slot)
+                    self._stored.add(span, slot, t if base is None else base)
             else:
                 slot = self._slot(found, t)
             if contiguous:
-                self._note_source(t, node if t._base is None else t.grad_fn, found)
-            slot.watch(t)
+                self._note_source(node if base is None else t.grad_fn, t.output_nr, site, span[1], found)
+            slot.watch(t, span[4])
             self._packed[id(t)] = weakref.ref(slot)
             return slot
 
@@ -251,7 +253,8 @@ class Session:
                 handle = StoredTensor(t, site)
             else:
                 collector.stats.tensors_seen += 1
-                self._poll()
+                if collector.holds:
+                    self._poll()
                 handle = self._store(options, t, site, square)
             handle.slots = 1
             if handle.dense is not None:
@@ -310,6 +313,12 @@ class Session:
         """The compiled save sites learned not to pay, which compiled graphs do not select."""
         return self._excluded
 
+    def _site_arena(self, site: Site, options: Options) -> Arena:
+        """``_arena`` for ``site``'s device, kept on the site with the ``options`` it is for
+        (``Options`` are made once per set of values: see ``bitsparse.training``)."""
+        site.arena, site.arena_options = self._arena(site.device, options), options
+        return site.arena
+
     def _arena(self, device: torch.device, options: Options) -> Arena:
         """The device's arena, resized when the options ask for another capacity (only
         while nothing it holds is alive) and set to their window and spill."""
@@ -336,8 +345,7 @@ class Session:
         stored tensor's handle holds a lease on the arena until autograd releases it.
         """
         collector = self._collector
-        arena = self._arena(site.device, options)
-        collector.arenas.add(arena)
+        arena = site.arena if site.arena_options is options else self._site_arena(site, options)
         if not arena.on_append_stream():
             self._square_alone(site, t, square)
             return self._kept_dense(t, site, "other_stream")
@@ -355,9 +363,11 @@ class Session:
         if site.values is not arena.values:
             site.prepare(arena.values, self._geometry, report is not None)
         base = arena.next_start()
-        site.encode(x, fixed, base, collector.nonzeros_counter(arena.device), report, square)
+        site.encode(x, fixed, base, collector.nonzeros_counter(arena), report, square)
         handle = StoredTensor(t, site, fixed, base, _Lease(self, arena), held=not sure)
         # A held tensor's dense copy goes when the arena confirms that its values fit.
+        if not sure:
+            collector.holds = True
         number = arena.submit(slot, None if sure else _confirmation(weakref.ref(handle), self, arena))
         collector.appends.append((arena, number, site, True))
         if sure and arena.stream is not None:
@@ -365,10 +375,6 @@ class Session:
             # memory of another stream is then handed out only after the encoder.
             t.record_stream(arena.stream)
         collector.leased = True
-        stats = collector.stats
-        stats.tensors_compressed += 1
-        stats.dense_bytes += site.dense_bytes
-        collector.numel += site.numel
         return handle
 
     def _kept_dense(self, t: torch.Tensor, site: Site, reason: str) -> StoredTensor:
@@ -432,16 +438,17 @@ class Session:
             recomputed = SquareOf(handle, square, result)  # decoded with its source, in one pass
         else:
             recomputed = Recomputed(ViewOf(handle, shape, stride, offset), square, result)
-        self._stored.add(result, recomputed)
+        self._stored.add(span_of(result), recomputed, result)
         return recomputed
 
-    def _note_source(self, t: torch.Tensor, node, handle: Handle) -> None:
-        """Note that ``handle`` restores ``t``, a contiguous tensor of the autograd node
-        ``node``, under ``t``'s autograd identity, for a square of ``t`` to find (last write
-        wins: a tensor modified in place is packed again before it is squared)."""
+    def _note_source(self, node, output_nr: int, site: Site, offset: int, handle: Handle) -> None:
+        """Note that ``handle`` restores a contiguous tensor of ``site`` at ``offset`` in its
+        storage, output ``output_nr`` of the autograd node ``node``, under that autograd
+        identity, for a square of it to find (last write wins: a tensor modified in place is
+        packed again before it is squared)."""
         if node is not None:
-            key = node_key(node, t.output_nr)
-            self._sources[key] = (weakref.ref(handle), t.shape, t.stride(), t.storage_offset(), t.dtype)
+            key = node_key(node, output_nr)
+            self._sources[key] = (weakref.ref(handle), site.shape, site.stride, offset, site.dtype)
 
     @staticmethod
     def _slot(handle: Handle, t: torch.Tensor) -> Handle:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bitsparse.hooks.spans import SpanIndex
+from bitsparse.hooks.spans import SpanIndex, span_of
 
 MAX_MARKED_STORAGES = 4096
 """Marks are pruned of dead tensors when they cover more storages than this."""
@@ -297,12 +297,13 @@ class Marks:
         with self._lock:
             if len(self._spans) > MAX_MARKED_STORAGES:
                 self._spans.prune()
-            self._spans.add(t, t.untyped_storage())
+            storage = t.untyped_storage()
+            self._spans.add(span_of(t), storage, storage)
             self.any = True
 
     def covers(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lies inside a marked span, unchanged since it was marked."""
-        return self._spans.find(t) is not None
+        return self._spans.find(span_of(t)) is not None
 
     def clear(self) -> None:
         with self._lock:

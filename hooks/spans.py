@@ -21,17 +21,24 @@ def span_end(t: torch.Tensor) -> int:
     return t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if s > 0)
 
 
-def storage_address(t: torch.Tensor) -> int:
-    """The address of ``t``'s storage, without making a storage object (host time)."""
-    return t.data_ptr() - t.storage_offset() * t.element_size()
+def span_of(t: torch.Tensor, contiguous_numel: int | None = None) -> tuple:
+    """``(address, start, end, dtype, version)``: the address of ``t``'s storage, the storage
+    elements from ``start`` to ``end`` that ``t`` touches, its dtype and its version, read
+    once for the lookups of one saved tensor. ``contiguous_numel``: ``t``'s element count,
+    when the caller knows that ``t`` is contiguous (fewer calls into the tensor)."""
+    start = t.storage_offset()
+    end = start + contiguous_numel if contiguous_numel is not None else span_end(t)
+    # The storage's address without making a storage object (host time).
+    return t.data_ptr() - start * t.element_size(), start, end, t.dtype, t._version
 
 
 class SpanIndex:
     """Values recorded for spans of storages, found again by any tensor inside a span.
 
-    An entry holds its storage and its value weakly: a storage freed (and its address
-    reused) or a value dropped never matches. The entries at one address are all of one
-    storage (``add`` drops the others). Not thread-safe: callers hold their own lock.
+    An entry holds its value and its owner, an object that keeps the storage alive, weakly:
+    an entry whose owner or value was dropped never matches, so neither does a storage freed
+    and its address reused. The entries at one address are all of one storage (``add`` drops
+    the others). Not thread-safe: callers hold their own lock.
     """
 
     def __init__(self):
@@ -40,37 +47,34 @@ class SpanIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, t: torch.Tensor, value: object) -> None:
-        """Record ``value`` for the span ``t`` covers, at ``t``'s current version."""
-        storage = t.untyped_storage()
-        entry = (weakref.ref(storage), weakref.ref(value), t.storage_offset(), span_end(t), t.dtype, t._version)
-        address = storage.data_ptr()
+    def add(self, span: tuple, value: object, owner: object) -> None:
+        """Record ``value`` for ``span`` (``span_of`` a tensor) for as long as ``owner`` lives:
+        the storage, or a tensor over it (which costs less host time to refer to)."""
+        address, start, end, dtype, version = span
+        entry = (weakref.ref(owner), weakref.ref(value), start, end, dtype, version)
         entries = self._entries.get(address)
-        if entries is None:
+        # Live owners at one address share its storage: live storages do not overlap.
+        if entries is None or entries[0][0]() is None:
             self._entries[address] = [entry]
-            return
-        if entries[0][0]() is storage:
+        else:
             entries.append(entry)
-        else:  # a freed storage's: the address is this storage's now
-            self._entries[address] = [entry]
 
-    def find(self, t: torch.Tensor) -> object | None:
-        """The value of a live span that contains ``t``'s elements, unchanged since (same
-        dtype and version); None if there is none."""
-        address = storage_address(t)
+    def find(self, span: tuple) -> object | None:
+        """The value of a live entry whose span contains ``span`` (``span_of`` a tensor),
+        unchanged since (same dtype and version); None if there is none."""
+        address, start, end, dtype, version = span
         entries = self._entries.get(address)
         if not entries:
             return None
         if entries[0][0]() is None:
-            # Their storage was freed: the caching allocator hands its address to the next
-            # tensor of the same size, which is what most lookups here meet.
+            # Its owner was freed: the caching allocator hands its address to the next tensor
+            # of the same size, which is what most lookups here meet.
             del self._entries[address]
             return None
-        offset, end, dtype, version = t.storage_offset(), span_end(t), t.dtype, t._version
-        for _, value, start, stop, entry_dtype, entry_version in entries:
-            if start <= offset and end <= stop and entry_dtype == dtype and entry_version == version:
+        for owner, value, entry_start, entry_end, entry_dtype, entry_version in entries:
+            if entry_start <= start and end <= entry_end and entry_dtype == dtype and entry_version == version:
                 found = value()
-                if found is not None:
+                if found is not None and owner() is not None:
                     return found
         return None
 

@@ -88,6 +88,20 @@ class Stats:
         )
 
 
+@dataclass
+class Stored:
+    """What a step's compressed tensors took: how many, their dense bytes and elements, the
+    bytes they take (one that did not fit counts dense), of them in host memory, and how
+    many did not fit."""
+
+    tensors: int = 0
+    dense_bytes: int = 0
+    numel: int = 0
+    bytes: int = 0
+    spilled_bytes: int = 0
+    unfit: int = 0
+
+
 class StepCollector:
     """Counters of one step, filled in by packs; what its appends took is read from the
     arenas at its end (``account``): per save site (a ``Site``: keyed by the object, whose
@@ -101,31 +115,33 @@ class StepCollector:
         """Skipped as ``small``, ``parameter`` and ``not_relu_family`` by the pack hook's first
         screen, which adds to plain ints (cheaper than the dict); ``finish`` adds them in."""
         self.fallbacks: defaultdict[str, int] = defaultdict(int)
-        self.numel = 0
-        self.nonzeros: dict[torch.device, torch.Tensor] = {}
-        self.arenas: set = set()
+        self.nonzeros: dict[object, torch.Tensor] = {}
+        """Per arena, the device counter its encoders add their stored elements to."""
         self.leased = False
         """Whether a tensor of this step was stored in an arena (not only measured)."""
+        self.holds = False
+        """Whether a tensor of this step is held until its arena confirms it (not sure to
+        fit): only then do stores poll the arenas' reports."""
         self.appends: list[tuple] = []
         """``(arena, number, site, stored)`` per append of the step (``Arena.submit``'s number;
-        ``stored``: compressed, not only measured), read by ``account``."""
+        ``stored``: compressed, not only measured), read by ``account``: what the step
+        compressed is counted from them once, at its end, not at each store."""
 
-    def nonzeros_counter(self, device: torch.device) -> torch.Tensor:
-        """The device counter the encoders of this step add their stored elements to."""
-        counter = self.nonzeros.get(device)
+    def nonzeros_counter(self, arena) -> torch.Tensor:
+        """The device counter the encoders of this step add their stored elements to, for
+        the appends to ``arena`` (keyed by the arena, whose hash costs less than a device's)."""
+        counter = self.nonzeros.get(arena)
         if counter is None:
-            counter = self.nonzeros[device] = torch.zeros(1, dtype=torch.int64, device=device)
+            counter = self.nonzeros[arena] = torch.zeros(1, dtype=torch.int64, device=arena.device)
         return counter
 
-    def account(self) -> tuple[dict, int, int, int]:
+    def account(self) -> tuple[dict, Stored]:
         """What the step's appends took, once the arenas delivered their ends (``drain``):
         per save site (a ``hooks.handles.Site``), ``[arena, dense bytes, fixed words, value
-        words, most value words]``, with measured tensors; and, for the stored ones, the bytes
-        they take, the bytes of them in host memory and how many did not fit (and are kept
-        dense)."""
+        words, most value words]``, with measured tensors; and what the stored ones took."""
         sites: dict[object, list] = {}
-        stored_bytes = spilled_bytes = unfit = 0
-        for arena, number, site, stored in self.appends:
+        stored = Stored()
+        for arena, number, site, compressed in self.appends:
             ends = arena.ends()
             start, end = ends[number - 1] if number else 0, ends[number]
             totals = sites.get(site)
@@ -136,15 +152,18 @@ class StepCollector:
                 totals[2] += site.fixed_words
                 totals[3] += end - start
                 totals[4] += site.max_value_words
-            if not stored:
+            if not compressed:
                 continue
+            stored.tensors += 1
+            stored.dense_bytes += site.dense_bytes
+            stored.numel += site.numel
             if end <= arena.values_capacity_words:
-                stored_bytes += WORD_BYTES * (site.fixed_words + end - start)
-                spilled_bytes += WORD_BYTES * max(0, end - max(start, arena.device_value_words))
+                stored.bytes += WORD_BYTES * (site.fixed_words + end - start)
+                stored.spilled_bytes += WORD_BYTES * max(0, end - max(start, arena.device_value_words))
             else:
-                stored_bytes += site.dense_bytes
-                unfit += 1
-        return sites, stored_bytes, spilled_bytes, unfit
+                stored.bytes += site.dense_bytes
+                stored.unfit += 1
+        return sites, stored
 
     def finish(self, tensors_alive: int, arena_reserved: int, spill_reserved: int) -> Stats:
         """The step's statistics; synchronizes once to read the device counters.
@@ -152,11 +171,16 @@ class StepCollector:
         ``tensors_alive``, ``arena_reserved`` and ``spill_reserved`` describe the session
         now, all steps together.
         """
-        for arena in self.arenas:
+        arenas = {append[0] for append in self.appends}
+        for arena in arenas:
             arena.drain()
         s = copy.copy(self.stats)
-        _, stored_bytes, s.spilled_bytes, unfit = self.account()
-        s.stored_bytes += stored_bytes
+        _, stored = self.account()
+        s.tensors_compressed = stored.tensors
+        s.dense_bytes += stored.dense_bytes
+        s.stored_bytes += stored.bytes
+        s.spilled_bytes = stored.spilled_bytes
+        unfit = stored.unfit
         skipped = Counter(self.skipped)
         skipped.update(
             {"small": self.kept_small, "parameter": self.kept_parameters, "not_relu_family": self.kept_unrelated}
@@ -167,8 +191,8 @@ class StepCollector:
             s.fallbacks["arena_full"] = s.fallbacks.get("arena_full", 0) + unfit
         s.tensors_seen += sum(s.tensors_skipped.values())
         nonzeros = sum(int(n) for n in self.nonzeros.values())
-        s.zero_fraction = 1 - nonzeros / self.numel if self.numel else 0.0
-        usages = [arena.usage() for arena in self.arenas]
+        s.zero_fraction = 1 - nonzeros / stored.numel if stored.numel else 0.0
+        usages = [arena.usage() for arena in arenas]
         s.arena_reserved = arena_reserved
         s.spill_reserved = spill_reserved
         s.arena_peak = sum(u.peak for u in usages)

@@ -28,7 +28,7 @@ from bitsparse.allocator import Arena
 from bitsparse.codecs import get_codec, torch_codec
 from bitsparse.format import TileGeometry, compressed_nbytes, dtype_spec
 from bitsparse.hooks import handles, manager
-from bitsparse.hooks.spans import SpanIndex
+from bitsparse.hooks.spans import SpanIndex, span_of
 
 MIN_NUMEL = 1024
 """Small enough that the CPU-sized models below get compressed (the default is 65536)."""
@@ -1195,25 +1195,29 @@ def test_a_spilling_arena_is_sure_of_every_tensor_when_the_gpu_lags_far_behind(
     assert device.waits > 0  # the step's end drains the reports
 
 
-def test_the_span_index_finds_live_spans_and_forgets_freed_storages():
+def test_the_span_index_finds_live_spans_and_forgets_freed_owners():
     index, first, second = SpanIndex(), handles.Handle(), handles.Handle()
     a = torch.zeros(4096)
-    index.add(a[:1024], first)
-    index.add(a[2048:], second)
-    assert index.find(a[100:200]) is first and index.find(a[3000:]) is second
-    assert index.find(a[1000:1100]) is None  # not inside one span
-    assert index.find(a[100:200].view(torch.int32)) is None  # another dtype
+    index.add(span_of(a[:1024]), first, a)
+    index.add(span_of(a[2048:]), second, a)
+    assert index.find(span_of(a[100:200])) is first and index.find(span_of(a[3000:])) is second
+    assert index.find(span_of(a[1000:1100])) is None  # not inside one span
+    assert index.find(span_of(a[100:200].view(torch.int32))) is None  # another dtype
+    assert span_of(a[2048:], 2048) == span_of(a[2048:])  # the count a caller knows, for a contiguous tensor
     a[5:6].add_(1)
-    assert index.find(a[100:200]) is None  # another version
+    assert index.find(span_of(a[100:200])) is None  # another version
     address = a.data_ptr()
     del a
     # The allocator hands the freed address out again, to a tensor the index never saw.
     reused = next((b for b in (torch.zeros(4096) for _ in range(100)) if b.data_ptr() == address), None)
     if reused is None:
         pytest.skip("the allocator did not reuse the address")
-    assert index.find(reused[100:200]) is None and len(index) == 0
-    index.add(reused[:10], second)
-    assert index.find(reused[:5]) is second and len(index) == 1
+    assert index.find(span_of(reused[100:200])) is None and len(index) == 0
+    view = reused[:10]
+    index.add(span_of(view), second, view)
+    assert index.find(span_of(reused[:5])) is second and len(index) == 1
+    del view  # an entry lives as long as its owner, even where the storage outlives it
+    assert index.find(span_of(reused[:5])) is None
 
 
 def test_a_held_tensor_whose_values_did_not_fit_keeps_its_dense_copy():
