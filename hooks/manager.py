@@ -170,7 +170,8 @@ class Session:
         if t.numel() > MAX_NUMEL:
             return self._kept(t, node, "large")
         with self._lock:
-            if self._step_over():
+            # Within a forward that stored a tensor, neither holds: no call (host time).
+            if (self._backward_seen or not self._live) and self._step_over():
                 self._begin_step()
             collector = self._collector
             stats = collector.stats
