@@ -191,8 +191,8 @@ class Session:
             stats.tensors_seen += 1
             if collector.holds:  # confirmed tensors release their dense copy here, during the forward
                 self._poll()
-            contiguous = not site.order  # the site's tensors are all alike
-            span = span_of(t, site.numel if contiguous else None)
+            contiguous = not site.order  # the site's tensors are all alike, and dense
+            span = span_of(t, site.numel)
             found = self._stored.find(span)
             if found is not None:
                 stats.tensors_deduplicated += 1

@@ -21,13 +21,14 @@ def span_end(t: torch.Tensor) -> int:
     return t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if s > 0)
 
 
-def span_of(t: torch.Tensor, contiguous_numel: int | None = None) -> tuple:
+def span_of(t: torch.Tensor, dense_numel: int | None = None) -> tuple:
     """``(address, start, end, dtype, version)``: the address of ``t``'s storage, the storage
     elements from ``start`` to ``end`` that ``t`` touches, its dtype and its version, read
-    once for the lookups of one saved tensor. ``contiguous_numel``: ``t``'s element count,
-    when the caller knows that ``t`` is contiguous (fewer calls into the tensor)."""
+    once for the lookups of one saved tensor. ``dense_numel``: ``t``'s element count, when
+    the caller knows that ``t`` is dense (contiguous in some order of its dims, as
+    channels-last tensors are), so that its span is that many elements (host time)."""
     start = t.storage_offset()
-    end = start + contiguous_numel if contiguous_numel is not None else span_end(t)
+    end = start + dense_numel if dense_numel is not None else span_end(t)
     # The storage's address without making a storage object (host time).
     return t.data_ptr() - start * t.element_size(), start, end, t.dtype, t._version
 

@@ -1203,7 +1203,9 @@ def test_the_span_index_finds_live_spans_and_forgets_freed_owners():
     assert index.find(span_of(a[100:200])) is first and index.find(span_of(a[3000:])) is second
     assert index.find(span_of(a[1000:1100])) is None  # not inside one span
     assert index.find(span_of(a[100:200].view(torch.int32))) is None  # another dtype
-    assert span_of(a[2048:], 2048) == span_of(a[2048:])  # the count a caller knows, for a contiguous tensor
+    assert span_of(a[2048:], 2048) == span_of(a[2048:])  # the count a caller knows, for a dense tensor
+    channels_last = torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    assert span_of(channels_last, 120) == span_of(channels_last)
     a[5:6].add_(1)
     assert index.find(span_of(a[100:200])) is None  # another version
     address = a.data_ptr()
