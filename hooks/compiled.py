@@ -98,7 +98,9 @@ def hooks_for(session, options: Options, excluded: frozenset) -> tuple:
         pack = _Hook(functools.partial(session.pack, options), lambda t: _trace_pack(t, number, options, excluded))
         pack.screen_with(session.pack_hook(options, pack.route))
         pack.selection = (options, excluded)
-        pair = _hook_pairs[key] = (pack, _Hook(session.unpack, _trace_unpack))
+        unpack = _Hook(session.unpack, _trace_unpack)
+        unpack.screen_with(session.unpack_hook(unpack.route))
+        pair = _hook_pairs[key] = (pack, unpack)
     return pair
 
 
@@ -127,9 +129,10 @@ class _Hook(torch.fx.GraphModule):
         return self._traced(x)
 
     def screen_with(self, screen) -> None:
-        """Be ``screen`` when called: a function that takes what eager autograd hands a pack
-        hook, handles the plain tensors it can at once, and returns ``self.route(x)`` for the
-        rest (saving a Python call per saved tensor)."""
+        """Be ``screen`` when called: a function that takes what eager autograd hands this
+        hook, handles what it can at once (a pack hook's plain tensors, an unpack hook's packed
+        values) and returns ``self.route(x)`` for the rest (saving Python calls per saved
+        tensor)."""
         type(self).__call__ = staticmethod(screen)
         _skipped_by_dynamo(screen.__code__)
 
@@ -186,7 +189,8 @@ def _trace_pack(t: torch.Tensor, number: int, options: Options, excluded: frozen
         return t
     _steer_late()
     # The size and strides travel with the key: with dynamic shapes they are symbols of the
-    # forward, which the backward receives as inputs.
+    # forward, which the backward receives as inputs. Three items: the unpack hook tells this
+    # from eager autograd's two (see Session.unpack_hook).
     return (torch.ops.bitsparse.store(t, number, fx_site(node)), tuple(t.shape), tuple(t.stride()))
 
 

@@ -271,7 +271,27 @@ class Session:
             self._settle_for_reads()
             handle.restore_into(out)
 
+    def unpack_hook(self, other):
+        """The unpack hook: ``hook(packed)`` restores what the pack hook returned in eager
+        autograd, ``other(packed)`` anything else (what a compiled graph's pack returned while
+        it was traced: the value itself, or a ``(key, size, stride)`` tuple). It runs for
+        every saved tensor backward uses, so eager values go straight to ``unpack``."""
+        unpack, handle = self.unpack, Handle
+
+        def hook(packed):
+            if (packed.__class__ is tuple and len(packed) == 2) or isinstance(packed, handle):
+                return unpack(packed)
+            return other(packed)
+
+        return hook
+
     def unpack(self, packed) -> torch.Tensor:
+        """What autograd gets back for ``packed``, which the pack hook returned in eager
+        autograd: the tensor kept as it is, or restored by its handle.
+
+        Raises:
+            RuntimeError: the saved tensor was modified in place since it was saved.
+        """
         self._backward_seen = True
         if packed.__class__ is tuple:  # a tensor kept as it is, and its version
             kept, version = packed

@@ -622,6 +622,22 @@ def test_saved_tensor_modified_in_place_raises_as_autograd_does(stored):
     assert "Hint" in str(plain.value) and "Hint" in str(compressed.value)
 
 
+def test_the_unpack_hook_restores_eager_values_itself_and_routes_the_rest():
+    """What the pack hook returns in eager autograd (a kept tensor with its version, a
+    handle) is restored without the route that looks for a compiled graph's tracing, which
+    gets everything else: a traced ``(key, size, stride)`` tuple, a value kept as it is."""
+    session, routed = manager.Session(), []
+    hook = session.unpack_hook(lambda packed: routed.append(packed) or "routed")
+    t = torch.relu(torch.randn(4096))
+    assert hook((t, t._version)) is t
+    held = handles.StoredTensor(t, handles.Site("relu", t, torch_codec, False, TileGeometry()))
+    assert_bitwise_equal(hook(held), t)
+    assert routed == []
+    traced = (torch.zeros(1), (4096,), (1,))
+    assert hook(traced) == "routed" and hook(t) == "routed"
+    assert routed[0] is traced and routed[1] is t
+
+
 def test_parameter_modified_in_place_before_backward_raises_as_autograd_does():
     """A parameter's view (Linear saves ``weight.t()``) is kept as it is; an optimizer step
     between forward and backward must still raise rather than use the new weights."""
