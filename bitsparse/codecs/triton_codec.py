@@ -433,7 +433,8 @@ def _direct_launch(compiled) -> Callable[[int, int, tuple], None]:
     Through PyTorch's launcher of Triton kernels (``torch._C._StaticCudaLauncher``, which
     inductor's generated code uses) where the kernel is one it launches as Triton would:
     given each argument's type once, it launches with about 2 us less host time than the
-    compiled kernel's own launcher (docs/benchmarks.md). Through that launcher otherwise.
+    compiled kernel's own launcher (docs/benchmarks.md); through the compiled kernel's own
+    launcher otherwise.
     """
     arg_types = _static_arg_types(compiled)
     if arg_types is None:
