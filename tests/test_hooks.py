@@ -579,12 +579,50 @@ def test_exception_midway_leaks_nothing():
     assert stats[-1].tensors_compressed == 2
 
 
+class _ExpMakingNodes(torch.autograd.Function):
+    """Saves its output, after its forward made autograd nodes of its own."""
+
+    @staticmethod
+    def forward(ctx, h):
+        with torch.enable_grad():
+            (h.detach().requires_grad_() * 2).sum()
+        out = h.exp()
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * out
+
+
+def sigmoid_of_a_view(h: torch.Tensor) -> torch.Tensor:
+    return (h * 1)[:, 1:].sigmoid_()
+
+
+def foreach_exp(h: torch.Tensor) -> torch.Tensor:
+    return torch._foreach_exp([h, h * 2])[0]
+
+
+def function_exp(h: torch.Tensor) -> torch.Tensor:
+    return _ExpMakingNodes.apply(h)
+
+
+def softmax(h: torch.Tensor) -> torch.Tensor:
+    return h.softmax(-1)
+
+
 @pytest.mark.parametrize("retained_backward", [False, True], ids=["no_backward", "retain_graph"])
-@pytest.mark.parametrize("output_saved", [torch.tanh, torch.sigmoid, torch.exp], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "output_saved",
+    [torch.tanh, torch.sigmoid, torch.exp, softmax, sigmoid_of_a_view, foreach_exp, function_exp],
+    ids=lambda f: f.__name__,
+)
 def test_dropped_graph_leaks_nothing(output_saved, retained_backward):
     """A graph dropped without a backward that frees it (none, or one with retain_graph)
     frees everything, also when a skipped tensor was saved by the node that made it (a
-    reference cycle if the pack hook kept its history)."""
+    reference cycle if the pack hook kept its history): by an op, by an op in place on a
+    view, by a foreach op and by an autograd Function whose forward made nodes of its own."""
     model, x = mlp(), mlp_input()
     with bitsparse.compressing(**OPTIONS):
         out = output_saved(model(x))
