@@ -22,12 +22,12 @@ import cProfile
 import functools
 import pstats
 import statistics
-import time
 
 import torch
 
 import bitsparse
 from bitsparse.allocator import Arena
+from bitsparse.bench.hooks import chain_step
 from bitsparse.hooks import manager
 
 
@@ -56,18 +56,6 @@ class LaunchlessCodec:
         cursor += x.numel() // 10
         if report is not None:
             report.copy_(cursor + 1)
-
-
-def chain_step(op, x: torch.Tensor, tensors: int, context) -> tuple[float, float]:
-    """Host seconds of a forward of ``tensors`` applications of ``op`` and of its backward."""
-    start = time.perf_counter()
-    with context:
-        h = x
-        for _ in range(tensors):
-            h = op(h)
-    forward = time.perf_counter() - start
-    h.backward(torch.ones_like(h))
-    return forward, time.perf_counter() - start - forward
 
 
 def main() -> None:
