@@ -73,7 +73,7 @@ class CacheEvictor:
         self._zeros = bytes(len(self._buffer) // 4096)
 
     def touch(self) -> None:
-        total = 0
+        total = 0  # only read: each object's memory is what is brought into the caches
         for item in self._objects[::97]:
             total += item["value"]
         self._buffer[::4096] = self._zeros
