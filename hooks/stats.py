@@ -180,15 +180,14 @@ class StepCollector:
         s.dense_bytes += stored.dense_bytes
         s.stored_bytes += stored.bytes
         s.spilled_bytes = stored.spilled_bytes
-        unfit = stored.unfit
         skipped = Counter(self.skipped)
         skipped.update(
             {"small": self.kept_small, "parameter": self.kept_parameters, "not_relu_family": self.kept_unrelated}
         )
         s.tensors_skipped = {reason: n for reason, n in skipped.items() if n}
         s.fallbacks = dict(self.fallbacks)
-        if unfit:
-            s.fallbacks["arena_full"] = s.fallbacks.get("arena_full", 0) + unfit
+        if stored.unfit:
+            s.fallbacks["arena_full"] = s.fallbacks.get("arena_full", 0) + stored.unfit
         s.tensors_seen += sum(s.tensors_skipped.values())
         nonzeros = sum(int(n) for n in self.nonzeros.values())
         s.zero_fraction = 1 - nonzeros / stored.numel if stored.numel else 0.0
