@@ -438,6 +438,139 @@ def _squares_in_float32(value: torch.Tensor) -> bool:
     return getattr(config.triton, "codegen_upcast_to_fp32", False)
 
 
+FUSED_BACKWARD_DEVICES = ("cuda",)
+"""The device types whose compiled backwards ``fuse_relu_square_backwards`` fuses. On CUDA a
+product with a NaN operand is the one canonical NaN, in inductor's code and the decoder's
+alike. On the CPU, where an element of a ReLU output and its gradient are both NaNs, which
+of the two payloads their product keeps depends on the order a compiler gave the operands,
+in inductor's generated code and in PyTorch's kernels: the fused backward could differ from
+the graph's in that NaN's bits, so the CPU keeps the graph's own kernel."""
+
+
+def fuse_relu_square_backwards(graph: torch.fx.Graph) -> None:
+    """Replace each ``restore_into`` of a ReLU output whose backward is that of its square by
+    a ``restore_relu_square_backward``, which writes the square and the gradient of the
+    ReLU's input as it decodes (the codecs' ``square_grad``).
+
+    The backward of ``proj(relu(fc(x)) ** 2)`` squares the restored ReLU output ``r`` for
+    ``proj``'s weight gradient and computes ``where(r <= 0, 0, grad * (r * 2))`` for ``fc``'s,
+    ``grad`` being the square's gradient: inductor fuses both into one kernel that reads ``r``
+    and ``grad``, and the decoder writes ``r`` before it. Fused, ``r`` is neither written nor
+    read: a tensor the size of the pre-activation less each way. The arithmetic is inductor's
+    (in float32, rounded once; the codecs' ``relu_square_backward``), so the gradients are
+    those of the graph without BitSparse, bit for bit.
+
+    Only that form is fused: ``r`` used by ``r ** 2``, by ``r ** 1.0 * 2`` times the gradient
+    (then reshaped), and by ``r <= 0`` to mask that product with zeros, and by nothing else;
+    every tensor contiguous, of one dtype the codecs square, computed in float32 by
+    inductor's code, on a device of ``FUSED_BACKWARD_DEVICES``. Every other restore is left as
+    it is. The fused op goes before the first use of what it writes; where the gradient comes
+    later, what needs the op follows it (inductor's stable topological sort).
+    """
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    unsorted = False
+    for restore in list(graph.find_nodes(op="call_function", target=torch.ops.higher_order.auto_functionalized_v2)):
+        match = _relu_square_backward_of(restore)
+        if match is None:
+            continue
+        square, masked, grad, dead = match
+        first = min((use for node in (square, masked) for use in node.users), key=position.__getitem__)
+        unsorted |= position.get(grad, -1) >= position[first]
+        buffer = restore.kwargs["_all_bases"][0]  # of the restored tensor's shape and strides
+        with graph.inserting_before(first):
+            buffers = [graph.call_function(buffer.target, buffer.args, buffer.kwargs) for _ in range(2)]
+            kwargs = {"key": restore.kwargs["key"], "square_grad": grad, "_all_bases": buffers}
+            kwargs.update(_square_base_index=0, _grad_input_base_index=1)
+            fused = graph.call_function(
+                restore.target, (torch.ops.bitsparse.restore_relu_square_backward.default,), kwargs
+            )
+            outputs = [graph.call_function(operator.getitem, (fused, index)) for index in (1, 2)]
+        values = [torch.empty_like(buffer.meta["val"]) for _ in range(2)]
+        for node, value in zip((*buffers, *outputs), (*values, *values)):
+            node.meta["val"] = value
+        fused.meta["val"] = (None, *values)
+        square.replace_all_uses_with(outputs[0])
+        masked.replace_all_uses_with(outputs[1])
+        for node in (masked, *dead):
+            graph.erase_node(node)
+    if unsorted:
+        stable_topological_sort(graph)
+
+
+def _relu_square_backward_of(restore: torch.fx.Node) -> tuple | None:
+    """For a ``restore_into`` whose output the backward only uses as ``fuse_relu_square_backwards``
+    fuses: the square, the masked gradient, the square's gradient (unreshaped) and the other
+    nodes that the fused op makes dead (the restore among them), in an order they can be
+    erased in. None otherwise."""
+    aten = torch.ops.aten
+    if restore.args[0] is not torch.ops.bitsparse.restore_into.default:
+        return None
+    if set(restore.kwargs) != {"key", "_out_base_index", "_all_bases"}:  # ``out`` a view of its buffer
+        return None
+    unused = [output for output in restore.users if not output.users]
+    used = [output for output in restore.users if output.users]
+    if len(used) != 1 or used[0].target is not operator.getitem:
+        return None
+    (restored,) = used
+
+    def use(target, scalar):
+        found = [user for user in restored.users if user.target is target and user.args == (restored, scalar)]
+        return found[0] if len(found) == 1 else None
+
+    square, identity = use(aten.pow.Tensor_Scalar, 2), use(aten.pow.Tensor_Scalar, 1)
+    at_most_zero = use(aten.le.Scalar, 0)
+    if len(restored.users) != 3 or None in (square, identity, at_most_zero) or len(at_most_zero.users) != 1:
+        return None
+    doubled = _only_user(identity)
+    product = _only_user(doubled) if doubled is not None else None
+    if doubled is None or (doubled.target, doubled.args) != (aten.mul.Scalar, (identity, 2.0)) or product is None:
+        return None
+    if product.target is not aten.mul.Tensor or doubled not in product.args or len(product.args) != 2:
+        return None
+    grad = product.args[1] if product.args[0] is doubled else product.args[0]
+    if not isinstance(grad, torch.fx.Node) or grad is doubled:
+        return None
+    chain = [product]  # the product, then its reshapes
+    masked = _only_user(product)
+    while masked is not None and getattr(masked.target, "_opname", None) in _RESHAPES:
+        chain.append(masked)
+        masked = _only_user(masked)
+    if masked is None or masked.target is not aten.where.self or masked.args[0] is not at_most_zero:
+        return None
+    zero = masked.args[1]
+    if masked.args[2] is not chain[-1] or not (isinstance(zero, torch.fx.Node) and _is_zero(zero)):
+        return None
+    reshapes, exclusive = [], True  # the gradient's reshapes that only lead to the product die with it
+    while getattr(grad.target, "_opname", None) in _RESHAPES and isinstance(grad.args[0], torch.fx.Node):
+        exclusive = exclusive and len(grad.users) == 1
+        reshapes += [grad] if exclusive else []
+        grad = grad.args[0]  # reshapes keep the elements' order, which is all the op reads
+    values = [node.meta.get("val") for node in (restored, grad, product, square, masked)]
+    if not all(isinstance(v, torch.Tensor) and v.is_contiguous() for v in values):
+        return None
+    shape, dtype = values[0].shape, values[0].dtype
+    if any(v.dtype != dtype for v in values) or dtype not in SQUARE_DTYPES or not _squares_in_float32(values[0]):
+        return None
+    if values[0].device.type not in FUSED_BACKWARD_DEVICES:
+        return None
+    if any(v.shape != shape for v in values[2:]) or values[1].numel() != values[0].numel():
+        return None
+    dead = [*reversed(chain), *reshapes, doubled, identity, at_most_zero, *([zero] if len(zero.users) == 1 else [])]
+    buffers = [node for node in restore.kwargs["_all_bases"] if len(node.users) == 1]
+    return square, masked, grad, [*dead, square, restored, *unused, restore, *buffers]
+
+
+def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _is_zero(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a scalar ``+0.0`` (``aten.full([], 0.0)``)."""
+    return node.target is torch.ops.aten.full.default and node.args[0] == [] and node.args[1] == 0
+
+
 def place_ops(graph: torch.fx.Graph) -> None:
     """Move each ``store`` to right after the tensor it stores, and each ``restore_into``
     (with its buffer) to right before the first use of what it restores.
@@ -503,13 +636,14 @@ def _post_grad_passes() -> type:
             for run in self.previous:
                 run(graph)
             fuse_relu_squares(graph)
+            fuse_relu_square_backwards(graph)
             place_ops(graph)
 
         def uuid(self):
             # Inductor caches compiled graphs under this key: None (no caching) unless every
             # pass has one.
             ids = tuple(p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.previous)
-            return None if None in ids else (get_hash_for_files((__file__,)), *ids)
+            return None if None in ids else (get_hash_for_files((__file__,)), FUSED_BACKWARD_DEVICES, *ids)
 
     return BitSparsePasses
 
@@ -524,6 +658,9 @@ _library = torch.library.Library("bitsparse", "FRAGMENT")
 _library.define("store(Tensor x, int hooks, str site) -> Tensor")
 _library.define("store_relu_square(Tensor x, int hooks, str site) -> (Tensor, Tensor)")
 _library.define("restore_into(Tensor key, Tensor(a!) out) -> ()")
+_library.define(
+    "restore_relu_square_backward(Tensor key, Tensor square_grad, Tensor(a!) square, Tensor(b!) grad_input) -> ()"
+)
 
 
 def store(x: torch.Tensor, hooks: int, site: str) -> torch.Tensor:
@@ -558,9 +695,21 @@ def restore_into(key: torch.Tensor, out: torch.Tensor) -> None:
     session.restore_compiled(handle, out)
 
 
+def restore_relu_square_backward(
+    key: torch.Tensor, square_grad: torch.Tensor, square: torch.Tensor, grad_input: torch.Tensor
+) -> None:
+    """``bitsparse::restore_relu_square_backward``: for the ReLU output ``r`` whose handle
+    ``key`` names, write ``r ** 2`` into ``square`` and into ``grad_input`` the gradient of the
+    ReLU's input given ``square_grad``, that of ``r ** 2`` (see ``fuse_relu_square_backwards``;
+    every tensor contiguous, of ``r``'s dtype and element count)."""
+    session, handle, _ = _handles[int(key)]
+    session.restore_compiled(handle, grad_input, square_grad, square)
+
+
 _library.impl("store", store, "CompositeExplicitAutograd")
 _library.impl("store_relu_square", store_relu_square, "CompositeExplicitAutograd")
 _library.impl("restore_into", restore_into, "CompositeExplicitAutograd")
+_library.impl("restore_relu_square_backward", restore_relu_square_backward, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("bitsparse::store", lib=_library)
@@ -575,6 +724,11 @@ def _(x, hooks, site):
 
 @torch.library.register_fake("bitsparse::restore_into", lib=_library)
 def _(key, out):
+    return None
+
+
+@torch.library.register_fake("bitsparse::restore_relu_square_backward", lib=_library)
+def _(key, square_grad, square, grad_input):
     return None
 
 

@@ -190,9 +190,7 @@ class StoredTensor(Handle):
     def keep_copy(self) -> None:
         """Keep a copy of the dense tensor's elements rather than its memory, which its owner
         may write over (a compiled graph's buffer, past its last use there)."""
-        site = self.site
-        kept = torch.empty(0, dtype=site.dtype, device=site.device)
-        kept.set_(self.dense, self.start, site.shape, site.stride)
+        kept = self._kept()
         span = span_end(kept) - self.start  # the storage elements it touches, overlapping strides included
         copy = kept.new_empty(0).set_(self.dense, self.start, (span,), (1,)).clone()
         self.dense, self.start = copy.untyped_storage(), 0
@@ -205,20 +203,34 @@ class StoredTensor(Handle):
     def _restore(self) -> torch.Tensor:
         site = self.site
         if self.dense is not None:
-            kept = torch.empty(0, dtype=site.dtype, device=site.device)
-            kept.set_(self.dense, self.start, site.shape, site.stride)
+            kept = self._kept()
             return relu(kept) if site.relu_inputs else kept
         out = torch.empty_strided(site.shape, site.stride, dtype=site.dtype, device=site.device)
         self.decode(self.fixed, self.base, site.in_memory_order(out))
         return out
 
-    def restore_into(self, out: torch.Tensor) -> None:
+    def _kept(self) -> torch.Tensor:
+        """The tensor kept dense (a ReLU's input at a site of ``relu_inputs``)."""
+        site = self.site
+        kept = torch.empty(0, dtype=site.dtype, device=site.device)
+        return kept.set_(self.dense, self.start, site.shape, site.stride)
+
+    def restore_into(self, out: torch.Tensor, square_grad=None, square=None) -> None:
         """Write the restored tensor into ``out``, a tensor of the site's shape, strides and
-        dtype that the caller allocated (a compiled backward's own buffer)."""
-        if self.dense is not None:
+        dtype that the caller allocated (a compiled backward's own buffer).
+
+        Given ``square_grad`` and ``square`` (the restored tensor ``r`` a ReLU's output,
+        ``square_grad`` the gradient of ``r ** 2``; contiguous, like ``out``, which must be
+        too), ``square`` receives ``r ** 2`` and ``out`` the gradient of the ReLU's input in
+        place of ``r``, as the codec's ``relu_square_backward`` computes them: decoded, in
+        the same pass."""
+        site = self.site
+        if self.dense is None:
+            self.decode(self.fixed, self.base, site.in_memory_order(out), square, square_grad)
+        elif square_grad is None:
             out.copy_(self._restore())
         else:
-            self.decode(self.fixed, self.base, self.site.in_memory_order(out))
+            site.codec.relu_square_backward(self._kept(), square_grad, square, out, site.relu_inputs)
 
     def squared(self, square: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The elementwise square of the restored tensor, as ``square`` computes it, which

@@ -430,6 +430,16 @@ def compress_relu_of(x: torch.Tensor, backend: str | None = None, sign_pack: boo
     return CompressedTensor(x.shape, x.dtype, sign_pack, geometry, fixed, values, base, values.generation), square
 
 
+def decode_relu_square_backward(c: CompressedTensor, backend: str | None, square_grad: torch.Tensor):
+    """``c`` (a ReLU's output) decoded by the codec's ``decode`` with ``square_grad``: the
+    square and the gradient of the ReLU's input it wrote."""
+    square, grad_input = (torch.empty(c.shape, dtype=c.dtype, device=c.fixed.device) for _ in range(2))
+    codec = get_codec(backend, c.fixed.device)
+    spec = dtype_spec(c.dtype)
+    codec.decode(c.fixed, c.values.words, c.base, grad_input, spec, c.geometry, c.sign_pack, square, square_grad)
+    return square, grad_input
+
+
 def below_zero_cleared(x: torch.Tensor) -> torch.Tensor:
     """``x`` with every element below zero replaced by +0.0 (``-0.0`` and NaNs are not below)."""
     return torch.where(x < 0, torch.zeros_like(x), x)

@@ -19,6 +19,7 @@ from helpers import (
     check_successive_appends,
     compress_relu_of,
     compress_with,
+    decode_relu_square_backward,
     dtype_id,
     from_patterns,
     generator,
@@ -646,6 +647,57 @@ def test_decode_writes_the_square(dtype):
     assert_bitwise_equal(square, torch.square(x))
 
 
+def relu_square_backward_case(dtype: torch.dtype, seed, numel: int = 3 * 4096 + 18):
+    """The input ``x`` of a ReLU (``relu_square_input``), its ReLU ``r`` and a gradient of
+    random bits, with NaNs, infinities and zeros of both signs among them."""
+    x = relu_square_input(dtype, seed, numel)
+    r = below_zero_cleared(x)
+    grad = random_bits(r.numel(), dtype, generator("relu_square_backward", dtype, seed))
+    grad[7:12] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1.0], dtype=dtype)
+    x[7:12] = r[7:12] = 1.0
+    return x, r, grad
+
+
+def check_relu_square_backward(r, grad, square, grad_input):
+    """``square`` and ``grad_input`` are ``r ** 2`` and ``where(r <= 0, 0, grad * (r * 2))``,
+    each computed in float32 and rounded once to the dtype (modelled here through exact
+    products in float64), NaNs where those are NaN."""
+    wide = r.float()
+    product = (grad.double() * (wide * 2).double()).float()  # exact in float64, then rounded once
+    expected = torch.where(wide <= 0, 0.0, product).to(r.dtype)
+    numbers = ~torch.isnan(expected)
+    assert_bitwise_equal(grad_input[numbers], expected[numbers])
+    assert torch.isnan(grad_input[~numbers]).all()
+    assert int((r == 0).sum()) and int((~numbers).sum()) and int(torch.isinf(expected).sum())
+    squared = (wide.double() ** 2).float().to(r.dtype)
+    numbers = ~torch.isnan(squared)
+    assert_bitwise_equal(square[numbers], squared[numbers])
+    assert torch.isnan(square[~numbers]).all()
+
+
+@pytest.mark.parametrize("sign_pack", [False, True], ids=["raw", "signpack"])
+@pytest.mark.parametrize("dtype", SQUARE_DTYPES, ids=dtype_id)
+def test_decode_writes_the_relu_square_backward(dtype, sign_pack):
+    """``decode`` with ``square_grad``, for a ReLU output (zeros of both signs, NaNs,
+    infinities, subnormals) and a gradient of random bits (every class among them): the
+    square, and the ReLU input's gradient in the output's place."""
+    _, r, grad = relu_square_backward_case(dtype, ("decode", sign_pack))
+    c = compress(r, sign_pack=sign_pack, backend=BACKEND)
+    check_relu_square_backward(r, grad, *decode_relu_square_backward(c, BACKEND, grad))
+
+
+@pytest.mark.parametrize("relu_input", [False, True], ids=["relu_output", "relu_input"])
+@pytest.mark.parametrize("dtype", SQUARE_DTYPES, ids=dtype_id)
+def test_relu_square_backward_of_a_dense_tensor(dtype, relu_input):
+    """``relu_square_backward`` (what a tensor kept dense takes) writes the same, from the
+    ReLU's output or, with ``relu_input``, its input; the tensor is large enough to be done
+    in pieces."""
+    x, r, grad = relu_square_backward_case(dtype, "dense", numel=3 * 65536 + 18)
+    square, grad_input = torch.empty_like(r), torch.empty_like(r)
+    get_codec(BACKEND, r.device).relu_square_backward(x if relu_input else r, grad, square, grad_input, relu_input)
+    check_relu_square_backward(r, grad, square, grad_input)
+
+
 def test_value_buffers_over_shared_counters_share_a_cursor():
     words = torch.full((1001,), 0x5A5A5A5A, dtype=torch.int32)
     counters = torch.zeros(3, dtype=torch.int64)
@@ -745,11 +797,11 @@ def test_measure_moves_the_cursor_as_encode_does(dtype, sign_pack):
         assert counters[1:].tolist() == [0, 0]
 
 
-def relu_square_input(dtype: torch.dtype, seed) -> torch.Tensor:
+def relu_square_input(dtype: torch.dtype, seed, numel: int = 3 * 4096 + 18) -> torch.Tensor:
     """Random bit patterns (every sign, NaN payload and subnormal), half of them zeros, and
     -0.0, NaNs of both signs and both infinities among them."""
     g = generator("relu_square", dtype, seed)
-    x = random_bits(3 * 4096 + 18, dtype, g)
+    x = random_bits(numel, dtype, g)
     x.view(dtype_spec(dtype).bits_dtype)[torch.rand(x.numel(), generator=g) < 0.5] = 0
     x[:6] = torch.tensor([-0.0, float("nan"), -float("nan"), float("inf"), -float("inf"), -1.0], dtype=dtype)
     return x

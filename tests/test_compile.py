@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn as nn
-from helpers import assert_bitwise_equal, compress_relu_of
+from helpers import assert_bitwise_equal, compress_relu_of, generator, random_bits
 from test_hooks import (  # noqa: F401 (clean_session: autouse fixture, reporting_arenas: fixture)
     OPTIONS,
     Block,
@@ -44,6 +44,14 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def fused_backwards_on_the_cpu(monkeypatch):
+    """Let the CPU's compiled backwards restore ReLU outputs into their squares' backward (a
+    test's inputs then hold no element where a ReLU output and its gradient are both NaNs,
+    see ``FUSED_BACKWARD_DEVICES``)."""
+    monkeypatch.setattr("bitsparse.hooks.compiled.FUSED_BACKWARD_DEVICES", ("cuda", "cpu"))
 
 
 def compiled_steps(model, x, steps=3, compile=None, **options):
@@ -78,11 +86,13 @@ def test_compiled_mlp_compresses_its_relu_outputs_exactly():
     assert alive() == 0
 
 
+@pytest.mark.usefixtures("fused_backwards_on_the_cpu")
 @pytest.mark.parametrize("variant", [0, 1, 2], ids=["relu_square", "square_of_relu", "inplace_relu_on_a_view_pow"])
 def test_compiled_relu_squared_block_saves_the_relu_and_recomputes_the_square(variant):
     """Only the ReLU output is stored (the partitioner recomputes its square from it), by the
     op that squares it (``fuse_relu_squares``): the forward reads the ReLU's input once, and
-    computes no ReLU of its own."""
+    computes no ReLU of its own. The backward restores it by the op that writes its square
+    and its input's gradient (``fuse_relu_square_backwards``), and writes no ReLU output."""
     import re
 
     torch.manual_seed(0)
@@ -94,10 +104,13 @@ def test_compiled_relu_squared_block_saves_the_relu_and_recomputes_the_square(va
     for s in stats:
         assert (s.tensors_seen, s.tensors_compressed, s.fallbacks) == (1, 1, {}), str(s)
         assert s.dense_bytes == 4 * 16 * 128 * 4
-    (forward,) = [code for code in codes if "bitsparse" in code and "restore_into" not in code]
+    (forward,) = [code for code in codes if "bitsparse.store" in code]
+    (backward,) = [code for code in codes if "bitsparse.restore" in code]
     assert forward.count("torch.ops.bitsparse.store_relu_square.default(") == 1
     assert "torch.ops.bitsparse.store.default(" not in forward
     assert not re.search(r"(cpp|triton)_\w*relu", forward)
+    assert backward.count("torch.ops.bitsparse.restore_relu_square_backward.default(") == 1
+    assert "torch.ops.bitsparse.restore_into.default(" not in backward
 
 
 def test_compiled_transformer_stack_whole_and_per_block():
@@ -145,6 +158,7 @@ def _bitsparse_ops_among_kernels(code: str) -> str:
         "torch.ops.bitsparse.store.default(": "S",
         "torch.ops.bitsparse.store_relu_square.default(": "S",
         "torch.ops.bitsparse.restore_into.default(": "R",
+        "torch.ops.bitsparse.restore_relu_square_backward.default(": "R",
     }
     order = []
     for line in code.splitlines():
@@ -193,12 +207,18 @@ def test_compiled_stores_follow_their_tensors_and_restores_precede_their_uses(st
     assert backward.count("R") == 3 and "RR" not in backward and not backward.startswith("R"), backward
 
 
+@pytest.mark.usefixtures("fused_backwards_on_the_cpu")
 @pytest.mark.parametrize("relu_squares", [False, True], ids=["mlp", "relu_squares"])
 def test_compiled_arena_that_is_full_stays_exact(relu_squares):
     """Kept dense where the arena has no room (a ReLU output that the forward squares as its
-    input, and restored as its ReLU), exact; the arena grows."""
+    input, and restored as its ReLU, or into its square and its input's gradient), exact; the
+    arena grows."""
     model, x = (transformer(), sequence_input()) if relu_squares else (mlp(), mlp_input())
-    stats, _, _ = compiled_steps(model, x, capacity=4096)
+    steps = []
+    codes = _generated_code(lambda: steps.append(compiled_steps(model, x, capacity=4096)))
+    ((stats, _, _),) = steps
+    fused = sum(code.count("bitsparse.restore_relu_square_backward.default(") for code in codes)
+    assert fused == (3 if relu_squares else 0)  # one per block
     assert stats[0].fallbacks.get("arena_full", 0) > 0
     assert stats[-1].fallbacks == {} and stats[-1].tensors_compressed == (3 if relu_squares else 2)
 
@@ -349,7 +369,7 @@ def test_graphs_compiled_under_bitsparse_reuse_buffers():
     assert (config.allow_buffer_reuse, config.inplace_buffers, config.post_grad_custom_post_pass) == settings
 
 
-@pytest.mark.usefixtures("reporting_arenas")
+@pytest.mark.usefixtures("reporting_arenas", "fused_backwards_on_the_cpu")
 @pytest.mark.parametrize("relu_squares", [False, True], ids=["relus", "relu_squares"])
 def test_held_tensors_of_a_compiled_graph_are_copies(monkeypatch, relu_squares):
     """With the GPU three appends behind the host and no spill region, the arena is not sure
@@ -474,3 +494,46 @@ def test_the_codecs_relu_and_its_square_are_those_of_compiled_code(dtype):
     nan = torch.isnan(x)
     assert_bitwise_equal(restored[~nan], relu[~nan])
     assert_bitwise_equal(restored[nan], x[nan])
+
+
+@pytest.mark.usefixtures("fused_backwards_on_the_cpu")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_a_fused_relu_square_backward_gives_the_gradients_of_the_graph_without_it(dtype):
+    """The backward of ``relu(x) ** 2`` restored as its square and its input's gradient in one
+    op (``fuse_relu_square_backwards``): see ``check_fused_relu_square_backward``."""
+    check_fused_relu_square_backward(dtype, torch.device("cpu"))
+
+
+def check_fused_relu_square_backward(dtype: torch.dtype, device: torch.device) -> None:
+    """For every bit pattern of the 16-bit dtypes (a spread of float32's) in ``x`` and random
+    bits in the gradient of ``relu(x) ** 2`` (``weight``'s; on the CPU no NaN where ``x`` is
+    one, see ``FUSED_BACKWARD_DEVICES``), the gradients are those of the same compiled
+    function without BitSparse, bit for bit. The square's gradient is computed after the
+    square's first use in this backward: the fused op and what needs it follow it."""
+    from bitsparse.hooks.exactness import probe
+
+    x = probe(dtype, device).view(256, 256)
+    weight = random_bits(x.numel(), dtype, generator("relu_square_backward", dtype)).view(x.shape).to(device)
+    if device.type == "cpu":
+        weight[torch.isnan(x) & torch.isnan(weight)] = 1.0
+
+    def loss(x, weight):
+        return (torch.relu(x) ** 2 * weight).float().sum()
+
+    compiled = torch.compile(loss)
+    expected = _input_grads(compiled, x, weight, context=contextlib.nullcontext())
+    codes = _generated_code(lambda: _input_grads(compiled, x, weight, context=bitsparse.compressing(**OPTIONS)))
+    assert sum(code.count("torch.ops.bitsparse.restore_relu_square_backward.default(") for code in codes) == 1
+    for _ in range(2):
+        got = _input_grads(compiled, x, weight, context=bitsparse.compressing(**OPTIONS))
+        for a, b in zip(got, expected):
+            assert_bitwise_equal(a, b)
+    assert bitsparse.stats().tensors_compressed == 1
+
+
+def _input_grads(fn, *inputs, context):
+    inputs = [t.detach().requires_grad_() for t in inputs]
+    with context:
+        out = fn(*inputs)
+    out.backward()
+    return [t.grad for t in inputs]

@@ -15,6 +15,7 @@ from helpers import (
     check_successive_appends,
     compress_relu_of,
     compress_with,
+    decode_relu_square_backward,
     dtype_id,
     expected_tile_stats,
     make_input,
@@ -23,7 +24,7 @@ from helpers import (
 )
 
 from bitsparse import TileGeometry, ValueBuffer, compress, decompress
-from bitsparse.codecs import get_codec, triton_codec
+from bitsparse.codecs import get_codec, torch_codec, triton_codec
 from bitsparse.compressed import decompress_with
 from bitsparse.format import compressed_nbytes, dtype_spec
 
@@ -374,6 +375,36 @@ def test_relu_square_is_the_compiled_relu_square(dtype, sign_pack, monkeypatch):
     spec = dtype_spec(dtype)
     triton_codec.measure(x, counters[:1], counters[1:], spec, TileGeometry(), sign_pack, relu_square=measured)
     assert_bitwise_equal(measured, square_of_relu(x))
+
+
+@pytest.mark.parametrize("sign_pack", [False, True], ids=["raw", "signpack"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=dtype_id)
+def test_decode_writes_the_relu_square_backward(dtype, sign_pack, monkeypatch):
+    """``decode`` with ``square_grad`` on CUDA, by the Gluon decoder and the portable one (also
+    for a length that is not a whole number of tiles), and the Triton codec's
+    ``relu_square_backward`` of the dense ReLU output and input: the bits of the torch
+    codec's ``relu_square_backward`` on CUDA, NaNs included, for every bit pattern of the
+    16-bit dtypes (a spread of float32's) in the ReLU output and random bits in the gradient."""
+    from bitsparse.hooks.exactness import probe
+
+    calls = gluon_launches(monkeypatch, triton_codec._gluon_decode_launchers, dtype.itemsize * 8)
+    x = probe(dtype, torch.device("cuda")).repeat(3)[: 3 * 65536 - 4]
+    r = below_zero_cleared(x)
+    grad = random_bits(r.numel(), dtype, cuda_generator("relu_square_backward", dtype, sign_pack))
+    for n, portable in ((r.numel(), False), (r.numel(), True), (r.numel() - 1, True)):
+        expected = torch.empty_like(r[:n]), torch.empty_like(r[:n])
+        torch_codec.relu_square_backward(r[:n], grad[:n], *expected)
+        with monkeypatch.context() as m:
+            if portable:
+                m.setattr(triton_codec, "_GLUON", False)
+            results = [decode_relu_square_backward(compress(r[:n], sign_pack=sign_pack), "triton", grad[:n])]
+        for source, relu_input in ((r, False), (x, True)):
+            results.append((torch.empty_like(r[:n]), torch.empty_like(r[:n])))
+            triton_codec.relu_square_backward(source[:n], grad[:n], *results[-1], relu_input)
+        for square, grad_input in results:
+            assert_bitwise_equal(square, expected[0])
+            assert_bitwise_equal(grad_input, expected[1])
+    assert len(calls) == (1 if triton_codec._GLUON and (sign_pack or dtype != torch.float32) else 0)
 
 
 def test_successive_appends_report_into_pinned_memory():

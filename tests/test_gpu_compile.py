@@ -56,20 +56,32 @@ def test_compiled_gpt_bf16_gradients_are_bit_identical(scope, sign_pack):
     assert stats.tensors_compressed == 3 and stats.fallbacks == {}, str(stats)
 
 
-def test_compiled_gpt_stores_each_relu_output_where_it_squares_it():
+def test_compiled_gpt_stores_and_restores_each_relu_output_where_it_squares_it():
     """The GPT's ``fc(x).relu_().square()`` compiles to one op per layer that stores the ReLU
-    output and writes its square (``fuse_relu_squares``): three in the whole forward, one in
-    the block that every layer runs when each is compiled alone."""
+    output and writes its square (``fuse_relu_squares``), and in the backward to one that
+    restores it into its square and the gradient of the ReLU's input
+    (``fuse_relu_square_backwards``): three of each for the whole model, one in the block
+    that every layer runs when each is compiled alone."""
     from test_compile import _generated_code
 
     for scope, fused in (("model", 3), ("block", 1)):
         torch._dynamo.reset()
         _, loss_fn = compiled_gpt(scope)
         with bitsparse.compressing(min_numel=1024):
-            codes = _generated_code(loss_fn)
-        forwards = "".join(code for code in codes if "bitsparse.restore_into" not in code)
-        assert forwards.count("torch.ops.bitsparse.store_relu_square.default(") == fused, scope
-        assert "torch.ops.bitsparse.store.default(" not in forwards, scope
+            code = "".join(_generated_code(lambda: loss_fn().backward()))
+        assert code.count("torch.ops.bitsparse.store_relu_square.default(") == fused, scope
+        assert code.count("torch.ops.bitsparse.restore_relu_square_backward.default(") == fused, scope
+        assert "torch.ops.bitsparse.store.default(" not in code, scope
+        assert "torch.ops.bitsparse.restore_into.default(" not in code, scope
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_a_fused_relu_square_backward_gives_the_gradients_of_the_graph_without_it(dtype):
+    """The decoder's square and gradient are inductor's, for every pattern of the 16-bit
+    dtypes in the ReLU's input and random bits in the square's gradient, NaNs included."""
+    from test_compile import check_fused_relu_square_backward
+
+    check_fused_relu_square_backward(dtype, torch.device("cuda"))
 
 
 def test_compiled_step_has_no_host_synchronization():

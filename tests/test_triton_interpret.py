@@ -24,6 +24,7 @@ from helpers import (  # noqa: E402
     check_successive_appends,
     compress_relu_of,
     compress_with,
+    decode_relu_square_backward,
     dtype_id,
     from_patterns,
     generator,
@@ -128,6 +129,36 @@ def test_decode_writes_the_square():
     value, square = decompress_with(compress(x, backend="triton"), get_codec("triton", x.device), square=True)
     assert_bitwise_equal(value, x)
     assert_bitwise_equal(square, torch.square(x))
+
+
+@pytest.mark.parametrize("sign_pack", [False, True], ids=["raw", "signpack"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=dtype_id)
+def test_decode_writes_the_relu_square_backward(dtype, sign_pack):
+    """``decode`` with ``square_grad``, and ``relu_square_backward`` of the dense ReLU output
+    or input, write the torch codec's bits, for a ReLU output and a gradient of random bits,
+    zeros of both signs among them, but for the payloads of the NaNs they compute (numpy's
+    here). Float16 and float32 only: the interpreter rounds to bfloat16 by truncation;
+    ``test_gpu_codec.py`` checks every dtype compiled."""
+    g = generator("relu_square_backward-triton", dtype, sign_pack)
+    r = below_zero_cleared(random_bits(3 * 4096 + 18, dtype, g))
+    r.view(dtype_spec(dtype).bits_dtype)[torch.rand(r.numel(), generator=g) < 0.5] = 0
+    r[:2] = torch.tensor([-0.0, 1.0], dtype=dtype)
+    grad = random_bits(r.numel(), dtype, g)
+    c = compress(r, sign_pack=sign_pack, backend="torch")
+    decoded = [decode_relu_square_backward(c, backend, grad) for backend in ("triton", "torch")]
+    x = r.clone()
+    x[r == 0] = -1.0  # as a ReLU's input
+    dense = []
+    for codec, relu_input in ((triton_codec, False), (triton_codec, True), (torch_codec, False)):
+        square, grad_input = torch.empty_like(r), torch.empty_like(r)
+        codec.relu_square_backward(x if relu_input else r, grad, square, grad_input, relu_input)
+        dense.append((square, grad_input))
+    (square_r, grad_input_r), *others = [decoded[1], decoded[0], *dense]
+    numbers = ~torch.isnan(grad_input_r)
+    for square, grad_input in others:
+        assert_bitwise_equal(square, square_r)
+        assert_bitwise_equal(grad_input[numbers], grad_input_r[numbers])
+        assert torch.isnan(grad_input[~numbers]).all()
 
 
 @pytest.mark.parametrize("tile_size", [32, 256])

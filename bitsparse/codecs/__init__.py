@@ -32,13 +32,28 @@ relu_square=None)``
     does; writes nothing else. An allocator measures what it has no room for, to size itself
     for the next step.
 
-``decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None)``
+``decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None, square_grad=None)``
     Writes every element of ``out`` (a contiguous tensor of ``spec.dtype``, restored in
     flattened order). ``sign_pack`` says whether packed tiles may occur (a fast path when
     they cannot). When given, ``square`` (like ``out``; float16, bfloat16 or float32 only)
     receives the elementwise square of the result as ``torch.square`` computes it, in the
     same pass: backward needs both a ReLU's output and its square, and rereading the output
-    to square it cost as much memory traffic as decoding it.
+    to square it cost as much memory traffic as decoding it. When given too, ``square_grad``
+    (like ``out``) is the gradient of that square, the restored tensor is a ReLU's output,
+    and ``out`` receives not that tensor but the gradient of the ReLU's input, ``square`` and
+    ``out`` the bits ``relu_square_backward`` writes for the restored tensor: a compiled
+    backward of ``relu(x) ** 2`` then reads the stored tensor and the gradient once, and
+    neither writes the ReLU's output nor reads it back.
+
+``relu_square_backward(r, square_grad, square, grad_input, relu_input=False)``
+    The backward of ``relu(x) ** 2`` as compiled code computes it from the ReLU's output
+    ``r`` and the square's gradient ``square_grad``: writes ``r ** 2`` into ``square`` and
+    the gradient of ``x``, ``where(r <= 0, 0, square_grad * (r * 2))``, into
+    ``grad_input``, each computed in float32 and rounded once to the dtype (nearest even).
+    With ``relu_input``, ``r`` is the ReLU's input, and its ReLU (``relu``) is used in its
+    place. Every tensor is contiguous, of one dtype of ``SQUARE_DTYPES`` and element count.
+    For a tensor kept dense where its handle would decode it with ``square_grad``; whatever
+    it allocates stays small beside the tensors.
 
 ``encoder(stream, cursor, appends, spec, geometry, sign_pack, numel, count_nonzeros, report, relu_square=False)``
     ``encode`` prepared for many calls with the same stream and kind of tensor: returns
@@ -50,7 +65,8 @@ relu_square=None)``
     more host time than the kernel launch.
 
 ``decoder(stream, spec, geometry, sign_pack, numel)``
-    ``decode`` prepared likewise: returns ``decode_into(fixed, base, out, square=None)``.
+    ``decode`` prepared likewise: returns ``decode_into(fixed, base, out, square=None,
+    square_grad=None)``.
 
 Backends: ``"torch"`` (vectorised PyTorch, any device) and ``"triton"`` (CUDA, or the CPU under
 ``TRITON_INTERPRET=1``). Both write the same masks and tile encodings; the order of tiles in
@@ -134,6 +150,16 @@ class Codec(Protocol):
         geometry: TileGeometry,
         sign_pack: bool,
         square: torch.Tensor | None = None,
+        square_grad: torch.Tensor | None = None,
+    ) -> None: ...
+
+    def relu_square_backward(
+        self,
+        r: torch.Tensor,
+        square_grad: torch.Tensor,
+        square: torch.Tensor,
+        grad_input: torch.Tensor,
+        relu_input: bool = False,
     ) -> None: ...
 
 

@@ -682,6 +682,7 @@ def encode_kernel(
 def decode_kernel(
     out_ptr,
     square_ptr,
+    square_grad_ptr,
     stream_ptr,
     fixed_ptr,
     base_ptr,
@@ -691,9 +692,10 @@ def decode_kernel(
     BITS: gl.constexpr,
     MAY_BE_PACKED: gl.constexpr,
     SQUARE: gl.constexpr,
+    SQUARE_GRAD: gl.constexpr,
 ):
-    """Restore tile ``pid`` (and its square when ``SQUARE``); the arguments of
-    ``triton_codec._decode_kernel``."""
+    """Restore tile ``pid`` (and its square when ``SQUARE``, and in its place the gradient of
+    a ReLU's input when ``SQUARE_GRAD``); the arguments of ``triton_codec._decode_kernel``."""
     WARPS: gl.constexpr = gl.num_warps()
     WORDS: gl.constexpr = TILE // 32
     VECTOR: gl.constexpr = 128 // BITS
@@ -745,9 +747,9 @@ def decode_kernel(
     )
     value = bits.to(_int_type(BITS)).to(out_ptr.dtype.element_ty, bitcast=True)
     if tile * TILE <= numel - TILE:  # the tile is whole (in int32: numel < 2**31)
-        _store_tile(out_ptr, square_ptr, index, value, None, SQUARE)
+        _store_tile(out_ptr, square_ptr, square_grad_ptr, index, value, None, SQUARE, SQUARE_GRAD)
     else:
-        _store_tile(out_ptr, square_ptr, index, value, index < numel, SQUARE)
+        _store_tile(out_ptr, square_ptr, square_grad_ptr, index, value, index < numel, SQUARE, SQUARE_GRAD)
 
 
 @gluon.jit
@@ -770,8 +772,17 @@ def _prefetch_fixed(fixed_ptr, tile, num_tiles, WORDS: gl.constexpr, layout: gl.
 
 
 @gluon.jit
-def _store_tile(out_ptr, square_ptr, index, value, mask, SQUARE: gl.constexpr):
-    gl.store(out_ptr + index, value, mask=mask)
-    if SQUARE:  # as PyTorch squares: in float32, rounded to nearest even
+def _store_tile(
+    out_ptr, square_ptr, square_grad_ptr, index, value, mask, SQUARE: gl.constexpr, SQUARE_GRAD: gl.constexpr
+):
+    if SQUARE_GRAD:  # as compiled code computes them (the codecs' relu_square_backward)
         wide = value.to(gl.float32)
         gl.store(square_ptr + index, (wide * wide).to(out_ptr.dtype.element_ty), mask=mask)
+        square_grad = gl.load(square_grad_ptr + index, mask=mask).to(gl.float32)
+        value = gl.where(wide <= 0.0, 0.0, square_grad * (wide * 2.0)).to(out_ptr.dtype.element_ty)
+        gl.store(out_ptr + index, value, mask=mask)
+    else:
+        gl.store(out_ptr + index, value, mask=mask)
+        if SQUARE:  # as PyTorch squares: in float32, rounded to nearest even
+            wide = value.to(gl.float32)
+            gl.store(square_ptr + index, (wide * wide).to(out_ptr.dtype.element_ty), mask=mask)

@@ -154,7 +154,24 @@ def encode(
         report.copy_(cursor + 1, non_blocking=True)
 
 
-def decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None):
+def relu_square_backward(r, square_grad, square, grad_input, relu_input=False):
+    # In pieces of a sixteenth (or 2**16 elements), and in place where it can: the float32
+    # temporaries stay under a third of one of the tensors.
+    piece = max(-(-r.numel() // 16), 1 << 16)
+    pieces = (t.view(-1).split(piece) for t in (r, square_grad, square, grad_input))
+    for r_piece, grad_piece, square_piece, grad_input_piece in zip(*pieces):
+        wide = (relu(r_piece) if relu_input else r_piece).float()  # r itself for float32: read only
+        square_piece.copy_(wide * wide)
+        product = torch.mul(wide, 2.0).mul_(grad_piece)
+        grad_input_piece.copy_(product.masked_fill_(wide <= 0, 0.0))
+
+
+def decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None, square_grad=None):
+    if square_grad is not None:
+        restored = torch.empty_like(out)
+        decode(fixed, stream, base, restored, spec, geometry, sign_pack)
+        relu_square_backward(restored, square_grad, square, out)
+        return
     masks, tile_words = split_fixed(fixed, geometry)
     num_tiles = masks.shape[0]
     if num_tiles == 0:
@@ -184,7 +201,7 @@ def encoder(stream, cursor, appends, spec, geometry, sign_pack, numel, count_non
 
 
 def decoder(stream, spec, geometry, sign_pack, numel):
-    def decode_into(fixed, base, out, square=None):
-        decode(fixed, stream, base, out, spec, geometry, sign_pack, square)
+    def decode_into(fixed, base, out, square=None, square_grad=None):
+        decode(fixed, stream, base, out, spec, geometry, sign_pack, square, square_grad)
 
     return decode_into

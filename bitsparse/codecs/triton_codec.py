@@ -20,7 +20,8 @@ and the ones the CPU tests run under the interpreter.
 
 Decoding runs one program per tile (per quarter tile when tiles may be packed): the same
 rank computation, then a gather (raw values) or a two-word funnel shift (packed values) for
-every set bit, and a dense store of the tile (and, when asked, of its square).
+every set bit, and a dense store of the tile (and, when asked, of its square, or of its
+square and the gradient of a ReLU's input in its place).
 
 Measuring (``measure``) counts each tile's stored values, as the encoder does, and claims the
 words they would take, eight tiles to a program with one atomic per program; it ends the append as
@@ -270,6 +271,7 @@ def _encode_kernel(
 def _decode_kernel(
     out_ptr,
     square_ptr,
+    square_grad_ptr,
     stream_ptr,
     fixed_ptr,
     base_ptr,
@@ -281,6 +283,7 @@ def _decode_kernel(
     HW_POPC: tl.constexpr,
     PARTS: tl.constexpr,
     SQUARE: tl.constexpr,
+    SQUARE_GRAD: tl.constexpr,
 ):
     MASK_WORDS: tl.constexpr = TILE // 32
     VALUES_PER_WORD: tl.constexpr = 32 // BITS
@@ -308,12 +311,51 @@ def _decode_kernel(
         value = (low | high) & ((1 << PACKED_BITS) - 1)
         x = tl.where(packed, value.to(x.dtype), x)
     index = tile * TILE + offsets
+    inside = index < numel
     value = x.to(out_ptr.dtype.element_ty, bitcast=True)
-    tl.store(out_ptr + index, value, mask=index < numel)
     if SQUARE:
         # As PyTorch squares: in float32, rounded to nearest even.
         wide = value.to(tl.float32)
-        tl.store(square_ptr + index, (wide * wide).to(out_ptr.dtype.element_ty), mask=index < numel)
+        tl.store(square_ptr + index, (wide * wide).to(out_ptr.dtype.element_ty), mask=inside)
+        if SQUARE_GRAD:
+            square_grad = tl.load(square_grad_ptr + index, mask=inside)
+            value = _relu_square_grad(wide, square_grad, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + index, value, mask=inside)
+
+
+@triton.jit
+def _relu_square_grad(wide, square_grad, dtype: tl.constexpr):
+    """The gradient of a ReLU's input, given its output ``wide`` (in float32) and the gradient
+    of that output's square, as compiled code computes it (the codecs' ``relu_square_backward``)."""
+    return tl.where(wide <= 0.0, 0.0, square_grad.to(tl.float32) * (wide * 2.0)).to(dtype)
+
+
+@triton.jit
+def _relu_square_backward_kernel(
+    r_ptr, square_grad_ptr, square_ptr, grad_input_ptr, numel, BLOCK: tl.constexpr, RELU_INPUT: tl.constexpr
+):
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = index < numel
+    wide = tl.load(r_ptr + index, mask=inside).to(tl.float32)
+    if RELU_INPUT:  # the bits of every element not below zero, -0.0 and NaNs included
+        wide = tl.where(wide < 0.0, 0.0, wide)
+    dtype = square_ptr.dtype.element_ty
+    tl.store(square_ptr + index, (wide * wide).to(dtype), mask=inside)
+    square_grad = tl.load(square_grad_ptr + index, mask=inside)
+    tl.store(grad_input_ptr + index, _relu_square_grad(wide, square_grad, dtype), mask=inside)
+
+
+def relu_square_backward(r, square_grad, square, grad_input, relu_input=False):
+    # For tensors kept dense, seldom: Triton's own launch.
+    numel = r.numel()
+    if numel:
+        grid = (triton.cdiv(numel, RELU_SQUARE_BACKWARD_BLOCK),)
+        _relu_square_backward_kernel[grid](
+            r, square_grad, square, grad_input, numel, RELU_SQUARE_BACKWARD_BLOCK, relu_input
+        )
+
+
+RELU_SQUARE_BACKWARD_BLOCK = 1024
 
 
 @triton.jit(do_not_specialize=_MEASURE_UNSPECIALIZED, do_not_specialize_on_alignment=_MEASURE_UNSPECIALIZED)
@@ -777,33 +819,38 @@ def decoder(stream, spec, geometry, sign_pack, numel):
     launcher = _gluon_decode_launchers[spec.bits] if gluon else _decode_launcher
     programs = num_tiles if gluon else num_tiles * DECODE_PARTS[sign_pack]
     tail = (numel, num_tiles)
+    # By what is written beside ``out``: nothing, the square, the square and the gradient.
+    epilogues = ((False, False), (True, False), (True, True))
     if gluon:
-        constexprs = {square: (tile, spec.bits, sign_pack, square) for square in (False, True)}
+        constexprs = {e: (tile, spec.bits, sign_pack, *e) for e in epilogues}
     else:
         parts = DECODE_PARTS[sign_pack]
-        constexprs = {square: (tile, spec.bits, sign_pack, not INTERPRETED, parts, square) for square in (False, True)}
+        constexprs = {e: (tile, spec.bits, sign_pack, not INTERPRETED, parts, *e) for e in epilogues}
     dtype = _kernel_dtype(spec)
     stream_aligned = _aligned(stream)
 
-    def decode_into(fixed, base, out, square=None):
+    def decode_into(fixed, base, out, square=None, square_grad=None):
         if num_tiles == 0:
             return
         if byte_values:
             out = out.view(torch.int8)
         square_arg = out if square is None else square
-        out_address, square_address, fixed_address = out.data_ptr(), square_arg.data_ptr(), fixed.data_ptr()
-        key = (dtype, dtype, out_address % 16 == 0, square_address % 16 == 0, stream_aligned, fixed_address % 16 == 0)
-        key += (_int_class(numel),) + constexprs[square is not None]
+        grad_arg = out if square_grad is None else square_grad
+        addresses = (out.data_ptr(), square_arg.data_ptr(), grad_arg.data_ptr())
+        fixed_address = fixed.data_ptr()
+        epilogue = constexprs[square is not None, square_grad is not None]
+        key = (dtype, *(address % 16 == 0 for address in addresses), stream_aligned, fixed_address % 16 == 0)
+        key += (_int_class(numel),) + epilogue
         direct = launcher.ready(device, key)
         if direct is None:
-            args = (out, square_arg, stream, fixed, base) + tail + constexprs[square is not None]
+            args = (out, square_arg, grad_arg, stream, fixed, base) + tail + epilogue
             launcher(programs, device, key, args)
             return
-        args = (out_address, square_address, stream_address, fixed_address, base.data_ptr()) + tail
-        launcher.launch(direct, programs, device, args + constexprs[square is not None])
+        args = addresses + (stream_address, fixed_address, base.data_ptr()) + tail
+        launcher.launch(direct, programs, device, args + epilogue)
 
     return decode_into
 
 
-def decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None):
-    decoder(stream, spec, geometry, sign_pack, out.numel())(fixed, base, out, square)
+def decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None, square_grad=None):
+    decoder(stream, spec, geometry, sign_pack, out.numel())(fixed, base, out, square, square_grad)
