@@ -292,8 +292,8 @@ def _count_fused_decodes(monkeypatch, corrupt: bool = False) -> list[bool]:
     calls = []
     decode = torch_codec.decode
 
-    def recording_decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None):
-        decode(fixed, stream, base, out, spec, geometry, sign_pack, square)
+    def recording_decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None, square_grad=None):
+        decode(fixed, stream, base, out, spec, geometry, sign_pack, square, square_grad)
         calls.append(square is not None)
         if corrupt and square is not None:
             square.view(-1).view(torch.int32 if square.dtype == torch.float32 else torch.int16)[0] ^= 1
