@@ -155,8 +155,9 @@ def encode(
 
 
 def relu_square_backward(r, square_grad, square, grad_input, relu_input=False):
-    # In pieces of a sixteenth (or 2**16 elements), and in place where it can: the float32
-    # temporaries stay under a third of one of the tensors.
+    # A sixteenth of the tensor at a time (2**16 elements at least), in place where it can:
+    # the float32 temporaries, about 10 bytes an element of a piece, stay a small part of
+    # what the tensors hold.
     piece = max(-(-r.numel() // 16), 1 << 16)
     pieces = (t.view(-1).split(piece) for t in (r, square_grad, square, grad_input))
     for r_piece, grad_piece, square_piece, grad_input_piece in zip(*pieces):
