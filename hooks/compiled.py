@@ -23,7 +23,7 @@ do not, keeps a copy of it (``Session.store_compiled``); a tensor the arena is s
 (every one of a steady step, with the spill region) is read by its encoder before any later
 kernel of the graph, in stream order, and nothing of it is kept.
 
-Three passes and a setting steer the compiler:
+Four passes and a setting steer the compiler:
 
 - The partitioner decides what a compiled forward saves; left alone, for ``fc2(relu(fc1(x))
   ** 2)`` it saves the dense pre-activation and the square and recomputes the ReLU. ``steer``
@@ -35,6 +35,10 @@ Three passes and a setting steer the compiler:
   is stored by one op that reads the ReLU's input and writes the square
   (``fuse_relu_squares``, a post-grad pass): the forward writes no ReLU output and reads no
   tensor twice, as without BitSparse.
+- A restored ReLU output that the backward only squares and differentiates through its
+  square is restored by one op that takes the square's gradient and writes the square and the
+  ReLU input's gradient (``fuse_relu_square_backwards``, a post-grad pass, on CUDA): nothing
+  writes the ReLU output or reads it back.
 - Inductor keeps the traced order of the ops: every store at the forward's end, where it would
   compute a ReLU it fused into its square again from the pre-activation, kept alive until
   then, and every restore at the backward's start, which would hold every decoded tensor from
@@ -280,7 +284,8 @@ def _steer_late() -> None:
     """Steer a compile that is tracing BitSparse's hooks unsteered, as after a
     ``torch._dynamo.reset()`` inside a block (which removed the callbacks the block counted
     on): the partitioner has chosen already, but inductor's passes (``fuse_relu_squares``,
-    ``place_ops``) still place the stores and restores where they cost least. The end
+    ``fuse_relu_square_backwards``, ``place_ops``) still fuse the stores and restores and
+    place them where they cost least. The end
     callback, registered now, restores the settings when the compile ends (or, for a compile
     without Dynamo, the next compile's start or the block's end)."""
     if getattr(_steering, "undo", None) is None:
@@ -345,8 +350,9 @@ def _compile_ended(*_) -> None:
 
 
 def _steer_inductor(undo: list) -> None:
-    """If inductor compiles: ``fuse_relu_squares`` and ``place_ops`` after the post-grad
-    passes (and after any such pass already set); what is changed is noted in ``undo``."""
+    """If inductor compiles: ``fuse_relu_squares``, ``fuse_relu_square_backwards`` and
+    ``place_ops`` after the post-grad passes (and after any such pass already set); what is
+    changed is noted in ``undo``."""
     config = sys.modules.get("torch._inductor.config")
     if config is None:
         return
@@ -622,8 +628,9 @@ def _move_before_first_use(graph: torch.fx.Graph, restore: torch.fx.Node, positi
 
 @functools.cache
 def _post_grad_passes() -> type:
-    """The class of inductor post-grad passes that run ``fuse_relu_squares`` and ``place_ops``
-    after the pass or passes they were made with (what the configuration held before)."""
+    """The class of inductor post-grad passes that run ``fuse_relu_squares``,
+    ``fuse_relu_square_backwards`` and ``place_ops`` after the pass or passes they were made
+    with (what the configuration held before)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
     class BitSparsePasses(CustomGraphPass):
