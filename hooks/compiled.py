@@ -482,7 +482,10 @@ def fuse_relu_square_backwards(graph: torch.fx.Graph) -> None:
         if match is None:
             continue
         square, masked, grad, dead = match
-        first = min((use for node in (square, masked) for use in node.users), key=position.__getitem__)
+        uses = [use for node in (square, masked) for use in node.users]
+        if not uses:
+            continue
+        first = min(uses, key=position.__getitem__)
         unsorted |= position.get(grad, -1) >= position[first]
         buffer = restore.kwargs["_all_bases"][0]  # of the restored tensor's shape and strides
         with graph.inserting_before(first):
