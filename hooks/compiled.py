@@ -713,7 +713,7 @@ def restore_relu_square_backward(
     ReLU's input given ``square_grad``, that of ``r ** 2`` (see ``fuse_relu_square_backwards``;
     every tensor contiguous, of ``r``'s dtype and element count)."""
     session, handle, _ = _handles[int(key)]
-    session.restore_compiled(handle, grad_input, square_grad, square)
+    session.restore_compiled(handle, grad_input, square, square_grad)
 
 
 _library.impl("store", store, "CompositeExplicitAutograd")

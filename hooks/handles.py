@@ -215,11 +215,11 @@ class StoredTensor(Handle):
         kept = torch.empty(0, dtype=site.dtype, device=site.device)
         return kept.set_(self.dense, self.start, site.shape, site.stride)
 
-    def restore_into(self, out: torch.Tensor, square_grad=None, square=None) -> None:
+    def restore_into(self, out: torch.Tensor, square=None, square_grad=None) -> None:
         """Write the restored tensor into ``out``, a tensor of the site's shape, strides and
         dtype that the caller allocated (a compiled backward's own buffer).
 
-        Given ``square_grad`` and ``square`` (the restored tensor ``r`` a ReLU's output,
+        Given ``square`` and ``square_grad`` (the restored tensor ``r`` a ReLU's output,
         ``square_grad`` the gradient of ``r ** 2``; contiguous, like ``out``, which must be
         too), ``square`` receives ``r ** 2`` and ``out`` the gradient of the ReLU's input in
         place of ``r``, as the codec's ``relu_square_backward`` computes them: decoded, in

@@ -262,15 +262,15 @@ class Session:
                 handle.keep_copy()
             return handle
 
-    def restore_compiled(self, handle: StoredTensor, out: torch.Tensor, square_grad=None, square=None) -> None:
+    def restore_compiled(self, handle: StoredTensor, out: torch.Tensor, square=None, square_grad=None) -> None:
         """Write the tensor ``handle`` restores into ``out``, a compiled backward's buffer (its
         own memory: the backward may write over it, and a second backward needs the dense
-        tensor of a handle that kept it again), or with ``square_grad`` and ``square`` the
+        tensor of a handle that kept it again), or with ``square`` and ``square_grad`` the
         backward of its square (``StoredTensor.restore_into``)."""
         self._backward_seen = True
         with self._lock:
             self._settle_for_reads()
-            handle.restore_into(out, square_grad, square)
+            handle.restore_into(out, square, square_grad)
 
     def unpack_hook(self, other):
         """The unpack hook: ``hook(packed)`` restores what the pack hook returned in eager
