@@ -533,10 +533,10 @@ def _relu_square_backward_of(restore: torch.fx.Node) -> tuple | None:
     if len(restored.users) != 3 or None in (square, identity, at_most_zero) or len(at_most_zero.users) != 1:
         return None
     doubled = _only_user(identity)
-    product = _only_user(doubled) if doubled is not None else None
-    if doubled is None or (doubled.target, doubled.args) != (aten.mul.Scalar, (identity, 2.0)) or product is None:
+    if doubled is None or (doubled.target, doubled.args) != (aten.mul.Scalar, (identity, 2.0)):
         return None
-    if product.target is not aten.mul.Tensor or doubled not in product.args or len(product.args) != 2:
+    product = _only_user(doubled)
+    if product is None or product.target is not aten.mul.Tensor or len(product.args) != 2:
         return None
     grad = product.args[1] if product.args[0] is doubled else product.args[0]
     if not isinstance(grad, torch.fx.Node) or grad is doubled:
