@@ -58,7 +58,6 @@ import itertools
 import operator
 import sys
 import threading
-import weakref
 
 import torch
 from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
@@ -76,10 +75,6 @@ that a compiled graph, which guards on them, is not compiled again."""
 _installed: dict[int, tuple] = {}
 """The session and options of each hook pair, by number: the ops take plain values."""
 _numbers = itertools.count()
-_handles: dict[int, tuple] = {}
-"""The session and handle each key of a compiled graph names, while the key lives (and the
-key's weak reference)."""
-_keys = itertools.count()
 _AOT_GRAPH_COMPILE = "torch._functorch._aot_autograd.graph_compile"
 
 
@@ -687,21 +682,20 @@ def store_relu_square(x: torch.Tensor, hooks: int, site: str) -> tuple[torch.Ten
 
 
 def _stored(x: torch.Tensor, hooks: int, site: str, square: torch.Tensor | None = None) -> torch.Tensor:
-    """The key of the handle of ``x`` stored by the session of the hook pair numbered ``hooks``."""
+    """The key of the handle of ``x`` stored by the session of the hook pair numbered ``hooks``:
+    a one-element tensor whose value means nothing, carrying the session and the handle as an
+    attribute, so that the handle lives exactly as long as the graph keeps the key (PyTorch
+    keeps a tensor's Python object, and its attributes, while autograd holds the tensor)."""
     session, options = _installed[hooks]
-    handle = session.store_compiled(options, x, site, square)
-    number = next(_keys)
-    key = torch.full((1,), number, dtype=torch.int64)  # torch.tensor([number]) takes twice the host time
-    # The entry holds the key's weak reference, whose callback drops the entry with the key
-    # (a seventh of weakref.finalize's host time).
-    _handles[number] = (session, handle, weakref.ref(key, lambda _, number=number: _handles.pop(number, None)))
+    key = torch.empty(1, dtype=torch.int64)
+    key.bitsparse_handle = (session, session.store_compiled(options, x, site, square))
     return key
 
 
 def restore_into(key: torch.Tensor, out: torch.Tensor) -> None:
     """``bitsparse::restore_into``: write the tensor whose handle ``key`` names, bit for bit,
     into ``out`` (of its shape, strides and dtype)."""
-    session, handle, _ = _handles[int(key)]
+    session, handle = key.bitsparse_handle
     session.restore_compiled(handle, out)
 
 
@@ -712,7 +706,7 @@ def restore_relu_square_backward(
     ``key`` names, write ``r ** 2`` into ``square`` and into ``grad_input`` the gradient of the
     ReLU's input given ``square_grad``, that of ``r ** 2`` (see ``fuse_relu_square_backwards``;
     every tensor contiguous, of ``r``'s dtype and element count)."""
-    session, handle, _ = _handles[int(key)]
+    session, handle = key.bitsparse_handle
     session.restore_compiled(handle, grad_input, square, square_grad)
 
 

@@ -1,12 +1,12 @@
-"""Where a compiled BitSparse GPT step spends what it adds: the whole forward compiled, dense and
-BitSparse, on CUDA.
+"""Where a compiled BitSparse GPT step spends what it adds: the whole forward compiled (or, with
+``--compile-scope block``, each block), dense and BitSparse, on CUDA.
 
 Prints the median GPU step time over interleaved rounds (CUDA events), the host time of entering
 the mode and of the forward, and the memory per token; then, from one profiled step of each mode,
 with a spin kernel marking the step's start and the end of its forward: the time from the mark
 to the first kernel and to the compiled graph's first kernel, and the kernels' busy and idle time
 in the forward and the backward; then the kernels whose total time differs between the modes.
-Usage: python scripts/profile_compiled_step.py [--length T] [--rounds N]
+Usage: python scripts/profile_compiled_step.py [--length T] [--rounds N] [--compile-scope model|block]
 """
 
 import argparse
@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import bitsparse
 from bitsparse.bench.models import sparse_gpt_loss
+from bitsparse.bench.training import COMPILE_SCOPES, compiled
 
 MODES = {"compiled dense": torch.enable_grad, "compiled bitsparse": bitsparse.compressing}
 MARK = "spin_kernel"
@@ -31,9 +32,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--length", type=int, default=12000)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--compile-scope", default="model", choices=COMPILE_SCOPES)
     args = parser.parse_args()
-    loss_fn = sparse_gpt_loss(args.length)
-    compiled = torch.compile(loss_fn, dynamic=False)
+    model, loss_fn = sparse_gpt_loss(args.length)
+    compiled_loss_fn = compiled(model, loss_fn, args.compile_scope)
 
     def step(mode: str, marked: bool = False) -> tuple[float, float]:
         if marked:
@@ -41,7 +43,7 @@ def main() -> None:
         start = time.perf_counter()
         with MODES[mode]():
             entered = time.perf_counter()
-            loss = compiled()
+            loss = compiled_loss_fn()
         forward = time.perf_counter()
         if marked:
             torch.cuda._sleep(100)
@@ -66,7 +68,8 @@ def main() -> None:
             memory = (torch.cuda.max_memory_allocated() - base + arena) / 2**20 / args.length
             rows[mode].append((begin.elapsed_time(end), 1e6 * enter_s, 1e3 * forward_s, memory))
     dense_ms = statistics.median(r[0] for r in rows["compiled dense"])
-    print(f"T={args.length}, {args.rounds} interleaved rounds, torch {torch.__version__}")
+    print(f"T={args.length}, compiled: {args.compile_scope}, {args.rounds} interleaved rounds, "
+          f"torch {torch.__version__}")
     print(f"{'mode':<20}{'step ms':>9}{'vs dense':>10}{'enter us':>10}{'fwd host ms':>13}{'MiB/token':>11}")
     for mode, rs in rows.items():
         ms = statistics.median(r[0] for r in rs)

@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=12000)
     parser.add_argument("--repeats", type=int, default=8)
     args = parser.parse_args()
-    loss_fn = sparse_gpt_loss(args.length)
+    _, loss_fn = sparse_gpt_loss(args.length)
 
     def step(variant: str) -> None:
         with VARIANTS[variant]():

@@ -8,6 +8,7 @@ BitSparse sees them exactly as it would see a user's model. The GPT's loss is fu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -191,9 +192,9 @@ def shift_to_sparsity(model: nn.Module, run_forward, zero_fraction: float, sampl
             hook.remove()
 
 
-def sparse_gpt_loss(length: int, zero_fraction: float = 0.9, device: str = "cuda"):
-    """A function computing the loss of the benchmarks' 12-layer GPT (bf16, on ``device``, its
-    MLPs shifted to ``zero_fraction`` zeros) on ``length`` random tokens, seeded."""
+def sparse_gpt_loss(length: int, zero_fraction: float = 0.9, device: str = "cuda") -> tuple[GPT, Callable]:
+    """The benchmarks' 12-layer GPT (bf16, on ``device``, its MLPs shifted to ``zero_fraction``
+    zeros), seeded, and a function computing its loss on ``length`` random tokens."""
     torch.manual_seed(0)
     config = GPTConfig()
     model = GPT(config).to(device, torch.bfloat16)
@@ -203,4 +204,4 @@ def sparse_gpt_loss(length: int, zero_fraction: float = 0.9, device: str = "cuda
         return model(tokens, tokens)
 
     shift_to_sparsity(model, loss_fn, zero_fraction)
-    return loss_fn
+    return model, loss_fn
