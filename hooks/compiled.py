@@ -367,6 +367,32 @@ def _assign(config, values: dict, undo: list) -> None:
 _RESHAPES = ("view", "reshape", "_unsafe_view")
 """Ops whose output, for a contiguous input, holds the input's elements in the same order."""
 
+_VIEWS = (*_RESHAPES, "permute", "t", "transpose")
+
+
+def _only_read_from_memory(node: torch.fx.Node) -> bool:
+    """Whether every use of ``node``'s value, through views, reads it from memory: as an
+    operand of a matrix product, or as the graph's output.
+
+    A fused op writes a tensor that inductor would compute, and must write what inductor's
+    code reads. Inductor computes a low-precision tensor in float32 and rounds it once, when
+    it writes it; a consumer it fuses with the producer (a bias gradient's sum, a pointwise
+    op) sees the float32 value before that rounding. Only a consumer that reads the tensor
+    from memory sees what a fused op writes. (Inductor fuses a producer into a matrix
+    product's template only where that needs no float32.)"""
+    aten = torch.ops.aten
+    if node.meta["val"].dtype == torch.float32:
+        return True
+    for user in node.users:
+        if user.op == "output" or user.target in (aten.mm.default, aten.bmm.default):
+            continue
+        if user.target is aten.addmm.default and user.args[0] is not node:
+            continue
+        if getattr(user.target, "_opname", None) in _VIEWS and _only_read_from_memory(user):
+            continue
+        return False
+    return True
+
 
 def fuse_relu_squares(graph: torch.fx.Graph) -> None:
     """Replace each ``store`` of a ReLU output that the forward only squares (besides saving
@@ -382,7 +408,8 @@ def fuse_relu_squares(graph: torch.fx.Graph) -> None:
     and the gradients are those of the graph without BitSparse, bit for bit.
 
     Only the plain form is fused: ``relu``, then reshapes, then the saved tensor, which has
-    no other user than its square and the store; every tensor contiguous, of one dtype whose
+    no other user than its square and the store; the square read from memory only (by matrix
+    products, see ``_only_read_from_memory``); every tensor contiguous, of one dtype whose
     square the codecs write, and computed in float32 by inductor's generated code (its
     default). Every other store is left as it is.
     """
@@ -426,7 +453,7 @@ def _relu_to_saved(saved: torch.fx.Node) -> list[torch.fx.Node] | None:
         return None
     if values[0].dtype not in SQUARE_DTYPES or values[-1].shape != saved.meta["val"].shape:
         return None
-    return path if _squares_in_float32(values[0]) else None
+    return path if _squares_in_float32(values[0]) and _only_read_from_memory(square) else None
 
 
 def _squares_in_float32(value: torch.Tensor) -> bool:
@@ -463,6 +490,9 @@ def fuse_relu_square_backwards(graph: torch.fx.Graph) -> None:
 
     Only that form is fused: ``r`` used by ``r ** 2``, by ``r ** 1.0 * 2`` times the gradient
     (then reshaped), and by ``r <= 0`` to mask that product with zeros, and by nothing else;
+    the square and the masked product read from memory only (by matrix products, see
+    ``_only_read_from_memory``: a bias's gradient, a sum of the masked product, is computed
+    by inductor from unrounded values, so a layer with a bias keeps the plain restore);
     every tensor contiguous, of one dtype the codecs square, computed in float32 by
     inductor's code, on a device of ``FUSED_BACKWARD_DEVICES``. Every other restore is left as
     it is. The fused op goes before the first use of what it writes; where the gradient comes
@@ -560,6 +590,8 @@ def _relu_square_backward_of(restore: torch.fx.Node) -> tuple | None:
     if values[0].device.type not in FUSED_BACKWARD_DEVICES:
         return None
     if any(v.shape != shape for v in values[2:]) or values[1].numel() != values[0].numel():
+        return None
+    if not (_only_read_from_memory(square) and _only_read_from_memory(masked)):
         return None
     dead = [*reversed(chain), *reshapes, doubled, identity, at_most_zero, *([zero] if len(zero.users) == 1 else [])]
     buffers = [node for node in restore.kwargs["_all_bases"] if len(node.users) == 1]

@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn as nn
-from helpers import assert_bitwise_equal, compress_relu_of, generator, random_bits
+from helpers import assert_bitwise_equal, compress_relu_of, generator
 from test_hooks import (  # noqa: F401 (clean_session: autouse fixture, reporting_arenas: fixture)
     OPTIONS,
     Block,
@@ -504,28 +504,69 @@ def test_a_fused_relu_square_backward_gives_the_gradients_of_the_graph_without_i
     check_fused_relu_square_backward(dtype, torch.device("cpu"))
 
 
+class ReLUSquareMLP(nn.Module):
+    """``proj(relu(fc(x)) ** 2)``, its square also summed if ``square_summed``."""
+
+    def __init__(self, bias: bool, square_summed: bool):
+        super().__init__()
+        self.fc, self.proj, self.square_summed = nn.Linear(64, 256, bias=bias), nn.Linear(256, 64), square_summed
+
+    def forward(self, x):
+        square = torch.relu(self.fc(x)) ** 2
+        return self.proj(square) + (square.sum(-1, keepdim=True) if self.square_summed else 0)
+
+
+@pytest.mark.usefixtures("fused_backwards_on_the_cpu")
+@pytest.mark.parametrize(
+    "bias, square_summed, fused", [(False, False, (1, 1)), (True, False, (1, 0)), (False, True, (0, 1))],
+    ids=["no_bias", "bias", "square_summed"],
+)
+def test_a_16_bit_square_and_gradient_are_fused_only_where_matrix_products_read_them(bias, square_summed, fused):
+    """In 16 bits, the forward writes the square, and the backward the square and the ReLU
+    input's gradient, in BitSparse's ops only where nothing but matrix products read them:
+    inductor computes a consumer it fuses with their producer (the bias's gradient, a sum of
+    the input's gradient; a sum of the square) from values not yet rounded to 16 bits, which
+    the ops cannot give it (``_only_read_from_memory``). Gradients exact in each case."""
+    torch.manual_seed(0)
+    model = ReLUSquareMLP(bias, square_summed).to(torch.bfloat16)
+    x = torch.randn(128, 64, dtype=torch.bfloat16)
+    steps = []
+    codes = _generated_code(lambda: steps.append(compiled_steps(model, x)))
+    ((stats, _, _),) = steps
+    assert [s.tensors_compressed for s in stats] == [1, 1, 1]
+    (forward,) = [code for code in codes if "bitsparse.store" in code]
+    (backward,) = [code for code in codes if "bitsparse.restore" in code]
+    assert forward.count("bitsparse.store_relu_square.default(") == fused[0]
+    assert backward.count("bitsparse.restore_relu_square_backward.default(") == fused[1]
+
+
 def check_fused_relu_square_backward(dtype: torch.dtype, device: torch.device) -> None:
-    """For every bit pattern of the 16-bit dtypes (a spread of float32's) in ``x`` and random
-    bits in the gradient of ``relu(x) ** 2`` (``weight``'s; on the CPU no NaN where ``x`` is
-    one, see ``FUSED_BACKWARD_DEVICES``), the gradients are those of the same compiled
-    function without BitSparse, bit for bit. The square's gradient is computed after the
-    square's first use in this backward: the fused op and what needs it follow it."""
+    """For every bit pattern of the 16-bit dtypes (a spread of float32's) in ``x``, squared
+    into a matrix product as a ReLU^2 MLP does, the gradients are those of the same compiled
+    function without BitSparse, bit for bit. The square's gradient is a product of random
+    matrices, infinite in two of its columns and NaN in a third (not on the CPU, see
+    ``FUSED_BACKWARD_DEVICES``)."""
     from bitsparse.hooks.exactness import probe
 
     x = probe(dtype, device).view(256, 256)
-    weight = random_bits(x.numel(), dtype, generator("relu_square_backward", dtype)).view(x.shape).to(device)
-    if device.type == "cpu":
-        weight[torch.isnan(x) & torch.isnan(weight)] = 1.0
+    random = generator("relu_square_backward", dtype)
+    weight = torch.randn(256, 256, generator=random).to(dtype).to(device)
+    scale = (torch.randn(256, 256, generator=random).abs() + 0.5).to(dtype).to(device)  # no inf - inf
+    weight[0], weight[1] = float("inf"), -float("inf")
+    if device.type != "cpu":
+        weight[2] = float("nan")
 
-    def loss(x, weight):
-        return (torch.relu(x) ** 2 * weight).float().sum()
+    def loss(x, weight, scale):
+        return ((torch.relu(x) ** 2 @ weight) * scale).float().sum()
 
     compiled = torch.compile(loss)
-    expected = _input_grads(compiled, x, weight, context=contextlib.nullcontext())
-    codes = _generated_code(lambda: _input_grads(compiled, x, weight, context=bitsparse.compressing(**OPTIONS)))
+    expected = _input_grads(compiled, x, weight, scale, context=contextlib.nullcontext())
+    codes = _generated_code(
+        lambda: _input_grads(compiled, x, weight, scale, context=bitsparse.compressing(**OPTIONS))
+    )
     assert sum(code.count("torch.ops.bitsparse.restore_relu_square_backward.default(") for code in codes) == 1
     for _ in range(2):
-        got = _input_grads(compiled, x, weight, context=bitsparse.compressing(**OPTIONS))
+        got = _input_grads(compiled, x, weight, scale, context=bitsparse.compressing(**OPTIONS))
         for a, b in zip(got, expected):
             assert_bitwise_equal(a, b)
     assert bitsparse.stats().tensors_compressed == 1
