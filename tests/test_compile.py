@@ -507,9 +507,10 @@ def test_a_fused_relu_square_backward_gives_the_gradients_of_the_graph_without_i
 class ReLUSquareMLP(nn.Module):
     """``proj(relu(fc(x)) ** 2)``, its square also summed if ``square_summed``."""
 
-    def __init__(self, bias: bool, square_summed: bool):
+    def __init__(self, bias: bool, square_summed: bool = False, dim: int = 64, hidden: int = 256):
         super().__init__()
-        self.fc, self.proj, self.square_summed = nn.Linear(64, 256, bias=bias), nn.Linear(256, 64), square_summed
+        self.fc, self.proj = nn.Linear(dim, hidden, bias=bias), nn.Linear(hidden, dim)
+        self.square_summed = square_summed
 
     def forward(self, x):
         square = torch.relu(self.fc(x)) ** 2

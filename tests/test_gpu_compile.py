@@ -56,12 +56,12 @@ def test_compiled_gpt_bf16_gradients_are_bit_identical(scope, sign_pack):
     assert stats.tensors_compressed == 3 and stats.fallbacks == {}, str(stats)
 
 
-def test_compiled_gpt_stores_and_restores_each_relu_output_where_it_squares_it():
+def test_compiled_gpt_stores_each_relu_output_where_it_squares_it():
     """The GPT's ``fc(x).relu_().square()`` compiles to one op per layer that stores the ReLU
-    output and writes its square (``fuse_relu_squares``), and in the backward to one that
-    restores it into its square and the gradient of the ReLU's input
-    (``fuse_relu_square_backwards``): three of each for the whole model, one in the block
-    that every layer runs when each is compiled alone."""
+    output and writes its square (``fuse_relu_squares``): three for the whole model, one in
+    the block that every layer runs when each is compiled alone. Its ``fc`` has a bias, whose
+    gradient inductor sums from unrounded values: the backward restores the ReLU output
+    (``fuse_relu_square_backwards`` leaves it)."""
     from test_compile import _generated_code
 
     for scope, fused in (("model", 3), ("block", 1)):
@@ -70,9 +70,30 @@ def test_compiled_gpt_stores_and_restores_each_relu_output_where_it_squares_it()
         with bitsparse.compressing(min_numel=1024):
             code = "".join(_generated_code(lambda: loss_fn().backward()))
         assert code.count("torch.ops.bitsparse.store_relu_square.default(") == fused, scope
-        assert code.count("torch.ops.bitsparse.restore_relu_square_backward.default(") == fused, scope
+        assert code.count("torch.ops.bitsparse.restore_into.default(") == fused, scope
         assert "torch.ops.bitsparse.store.default(" not in code, scope
-        assert "torch.ops.bitsparse.restore_into.default(" not in code, scope
+        assert "torch.ops.bitsparse.restore_relu_square_backward.default(" not in code, scope
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_a_relu_square_layer_has_the_gradients_of_the_graph_without_it(bias):
+    """A bf16 ``proj(relu(fc(x)) ** 2)`` whose backward inductor compiles into a kernel that
+    sums ``fc``'s bias gradient from the gradient before its rounding to bf16 (at this size):
+    bit-identical gradients, with the backward fused where ``fc`` has no bias."""
+    from test_compile import ReLUSquareMLP, _generated_code, compiled_steps
+
+    torch.manual_seed(0)
+    model = ReLUSquareMLP(bias, dim=256, hidden=1024).cuda().to(torch.bfloat16)
+    if bias:
+        with torch.no_grad():
+            model.fc.bias -= 1.0
+    x = torch.randn(1, 128, 256, device="cuda", dtype=torch.bfloat16)
+    steps = []
+    codes = _generated_code(lambda: steps.append(compiled_steps(model, x, min_numel=1024)))
+    ((stats, _, _),) = steps
+    assert [s.tensors_compressed for s in stats] == [1, 1, 1]
+    fused = sum(code.count("bitsparse.restore_relu_square_backward.default(") for code in codes)
+    assert fused == (0 if bias else 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
