@@ -368,6 +368,7 @@ _RESHAPES = ("view", "reshape", "_unsafe_view")
 """Ops whose output, for a contiguous input, holds the input's elements in the same order."""
 
 _VIEWS = (*_RESHAPES, "permute", "t", "transpose")
+"""Ops whose output is a view of their input: what reads it reads the input's memory."""
 
 
 def _only_read_from_memory(node: torch.fx.Node) -> bool:
