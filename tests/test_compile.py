@@ -546,7 +546,8 @@ def check_fused_relu_square_backward(dtype: torch.dtype, device: torch.device) -
     into a matrix product as a ReLU^2 MLP does, the gradients are those of the same compiled
     function without BitSparse, bit for bit. The square's gradient is a product of random
     matrices, infinite in two of its columns and NaN in a third (not on the CPU, see
-    ``FUSED_BACKWARD_DEVICES``)."""
+    ``FUSED_BACKWARD_DEVICES``). The backward uses the square (for ``weight``'s gradient)
+    before it has the square's gradient: the fused op and what needs it follow that use."""
     from bitsparse.hooks.exactness import probe
 
     x = probe(dtype, device).view(256, 256)
