@@ -8,7 +8,8 @@ it). While it traces them, ``_get_saved_tensor_hook_context()`` names the saved 
 choice of what to compress is made once, at compile time, by the same rule as in eager mode
 (``provenance.classify_fx_node``): a selected tensor's pack becomes a ``bitsparse::store`` op,
 its unpack a ``bitsparse::restore_into`` op, and every other saved tensor passes through
-untouched, with no Python at run time. Eager autograd calls the same two objects as plain
+untouched, with no Python at run time. Inductor writes what a store stores to memory as it
+would a saved tensor (``_register_lowerings``). Eager autograd calls the same two objects as plain
 hooks, which go straight to the eager path (``Session.pack``/``unpack``).
 
 The ops are Python functions registered with the dispatcher: ``store`` hands the tensor to the
@@ -30,7 +31,8 @@ Four passes and a setting steer the compiler:
   is a joint-graph pass (``torch._functorch.config.joint_custom_pass``) that marks each
   ReLU-family node that would be compressed ``MUST_SAVE`` and the squares of it
   ``PREFER_RECOMPUTE``, the tags selective activation checkpointing gives the partitioner: the
-  ReLU output is saved, and compressed, and its square is recomputed from it.
+  ReLU output is saved, and compressed, and its square is recomputed from it; only where that
+  changes no value of the graph (``_keeps_roundings_when_saved``, ``_only_read_from_memory``).
 - A ReLU output that the forward only squares besides saving it (``fc2(relu(fc1(x)) ** 2)``)
   is stored by one op that reads the ReLU's input and writes the square
   (``fuse_relu_squares``, a post-grad pass): the forward writes no ReLU output and reads no
@@ -214,15 +216,15 @@ def steer(graph_module: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
     if selection is None:
         return graph_module
     options, excluded = selection
-    _lower_mark_to_its_input()
+    _register_lowerings()
     undo = getattr(_steering, "undo", None)
     if undo is not None:
         _steer_inductor(undo)
     for node in graph_module.graph.nodes:
         kind = fx_kind(node)
-        if kind == RELU and selected(node, options, excluded):
+        if kind == RELU and selected(node, options, excluded) and _keeps_roundings_when_saved(node):
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-        elif kind == SQUARE and classify_fx_node(node) is Provenance.RELU:
+        elif kind == SQUARE and classify_fx_node(node) is Provenance.RELU and _only_read_from_memory(node):
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
     return graph_module
 
@@ -378,12 +380,13 @@ def _only_read_from_memory(node: torch.fx.Node) -> bool:
     A fused op writes a tensor that inductor would compute, and must write what inductor's
     code reads. Inductor computes a low-precision tensor in float32 and rounds it once, when
     it writes it; a consumer it fuses with the producer (a bias gradient's sum, a pointwise
-    op) sees the float32 value before that rounding. Only a consumer that reads the tensor
-    from memory sees what a fused op writes. (Inductor fuses a producer into a matrix
-    product's template only where that needs no float32.)"""
+    op) sees the float32 value before that rounding, and a reduction fused with its input's
+    producer may sum in another order than one that reads the input (in float32 too). Only a
+    consumer that reads the tensor from memory sees what a fused op writes, as it would see
+    the graph's own tensor. (Inductor fuses a producer into a matrix product's template only
+    where that needs no float32.) The same holds for a square the partitioner would save and
+    the backward recomputes instead (``steer``)."""
     aten = torch.ops.aten
-    if node.meta["val"].dtype == torch.float32:
-        return True
     for user in node.users:
         if user.op == "output" or user.target in (aten.mm.default, aten.bmm.default):
             continue
@@ -393,6 +396,35 @@ def _only_read_from_memory(node: torch.fx.Node) -> bool:
             continue
         return False
     return True
+
+
+def _held_in_memory(node) -> bool:
+    """Whether inductor's code reads ``node``'s value from memory wherever it is used, rounded
+    to its dtype: a graph input or a matrix product's output (an extern kernel's), through
+    views. Any other op's value a kernel may compute again in float32 where it uses it, and
+    a fused op, which reads the rounded value, would then see another value than the graph's
+    own kernel."""
+    aten = torch.ops.aten
+    while getattr(node.target, "_opname", None) in _VIEWS and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node.op == "placeholder" or node.target in (aten.mm.default, aten.addmm.default, aten.bmm.default)
+
+
+def _keeps_roundings_when_saved(relu: torch.fx.Node) -> bool:
+    """Whether saving ``relu``'s output in place of what the partitioner would save leaves
+    every value of the graph as it is without BitSparse: its input is held in memory, or used
+    by nothing but ``relu`` (whose output is the same from a rounded input as from an
+    unrounded one) and not a sum onto a matrix product (which inductor folds into the product,
+    adding before rounding, once nothing else uses the product)."""
+    source = relu.args[0]
+    if _held_in_memory(source):
+        return True
+    if len(source.users) != 1:
+        return False
+    aten = torch.ops.aten
+    products = (aten.mm.default, aten.addmm.default)
+    operands = [a for a in source.args if isinstance(a, torch.fx.Node)]
+    return source.target not in (aten.add.Tensor, aten.sub.Tensor) or all(a.target not in products for a in operands)
 
 
 def fuse_relu_squares(graph: torch.fx.Graph) -> None:
@@ -454,7 +486,9 @@ def _relu_to_saved(saved: torch.fx.Node) -> list[torch.fx.Node] | None:
         return None
     if values[0].dtype not in SQUARE_DTYPES or values[-1].shape != saved.meta["val"].shape:
         return None
-    return path if _squares_in_float32(values[0]) and _only_read_from_memory(square) else None
+    if not (_squares_in_float32(values[0]) and _held_in_memory(relu.args[0]) and _only_read_from_memory(square)):
+        return None
+    return path
 
 
 def _squares_in_float32(value: torch.Tensor) -> bool:
@@ -592,7 +626,7 @@ def _relu_square_backward_of(restore: torch.fx.Node) -> tuple | None:
         return None
     if any(v.shape != shape for v in values[2:]) or values[1].numel() != values[0].numel():
         return None
-    if not (_only_read_from_memory(square) and _only_read_from_memory(masked)):
+    if not (_held_in_memory(grad) and _only_read_from_memory(square) and _only_read_from_memory(masked)):
         return None
     dead = [*reversed(chain), *reshapes, doubled, identity, at_most_zero, *([zero] if len(zero.users) == 1 else [])]
     buffers = [node for node in restore.kwargs["_all_bases"] if len(node.users) == 1]
@@ -693,7 +727,7 @@ def _post_grad_passes() -> type:
 # ``torch.library.custom_op`` wraps its function in Python layers (autograd, alias checks) that
 # cost several microseconds of host time per call, twice per stored tensor and step.
 _library = torch.library.Library("bitsparse", "FRAGMENT")
-_library.define("store(Tensor x, int hooks, str site) -> Tensor")
+_library.define("store(Tensor x, int hooks, str site) -> Tensor", tags=(torch.Tag.flexible_layout,))
 _library.define("store_relu_square(Tensor x, int hooks, str site) -> (Tensor, Tensor)")
 _library.define("restore_into(Tensor key, Tensor(a!) out) -> ()")
 _library.define(
@@ -785,8 +819,26 @@ mark.register_autograd(lambda ctx, grad: grad)
 
 
 @functools.cache
-def _lower_mark_to_its_input() -> None:
-    """Let inductor compile ``bitsparse::mark`` to nothing (its output is its input)."""
-    from torch._inductor.lowering import register_lowering
+def _register_lowerings() -> None:
+    """Let inductor compile ``bitsparse::mark`` to nothing (its output is its input), and
+    compute what a ``bitsparse::store`` stores into memory before its other users read it.
+
+    Inductor writes each tensor a graph saves into memory as it lowers the op that makes it,
+    and the ops it lowers after read the tensor from there, rounded to its dtype; a tensor
+    only used within the graph it may compute again, in float32, in each kernel that uses it
+    (the sum of a bf16 square, then, adds unrounded squares). A stored tensor's only saved
+    user is the store, and ``place_ops`` puts the store right after the tensor: realized
+    there, its value in every use is the one it has in the graph without BitSparse."""
+    from torch._inductor.ir import ExternKernel
+    from torch._inductor.lowering import fallback_handler, register_lowering
+    from torch._inductor.virtualized import V
 
     register_lowering(torch.ops.bitsparse.mark.default)(lambda x: x)
+    fallback = fallback_handler(torch.ops.bitsparse.store.default, add_to_fallback_set=False)
+
+    @register_lowering(torch.ops.bitsparse.store.default, type_promotion_kind=None)
+    def _(x, hooks, site):
+        x.realize()  # in place: what lowers after reads this buffer
+        # Of the strides the restore's buffer will have (the op's tag leaves them to this).
+        x = ExternKernel.require_exact_strides(x, V.graph.current_node.args[0].meta["val"].stride())
+        return fallback(x, hooks, site)

@@ -92,11 +92,13 @@ def test_compiled_relu_squared_block_saves_the_relu_and_recomputes_the_square(va
     """Only the ReLU output is stored (the partitioner recomputes its square from it), by the
     op that squares it (``fuse_relu_squares``): the forward reads the ReLU's input once, and
     computes no ReLU of its own. The backward restores it by the op that writes its square
-    and its input's gradient (``fuse_relu_square_backwards``), and writes no ReLU output."""
+    and its input's gradient (``fuse_relu_square_backwards``), and writes no ReLU output
+    (``fc`` without a bias, whose gradient would sum that gradient in inductor's kernel)."""
     import re
 
     torch.manual_seed(0)
     model = nn.Sequential(Block(32, variant, nn.LayerNorm))
+    model[0].fc.bias = None
     steps = []
     codes = _generated_code(lambda: steps.append(compiled_steps(model, sequence_input())))
     ((stats, frames, _),) = steps
@@ -211,9 +213,11 @@ def test_compiled_stores_follow_their_tensors_and_restores_precede_their_uses(st
 @pytest.mark.parametrize("relu_squares", [False, True], ids=["mlp", "relu_squares"])
 def test_compiled_arena_that_is_full_stays_exact(relu_squares):
     """Kept dense where the arena has no room (a ReLU output that the forward squares as its
-    input, and restored as its ReLU, or into its square and its input's gradient), exact; the
-    arena grows."""
+    input, and restored as its ReLU, or into its square and its input's gradient: the blocks'
+    ``fc`` without biases), exact; the arena grows."""
     model, x = (transformer(), sequence_input()) if relu_squares else (mlp(), mlp_input())
+    for block in model[:3] if relu_squares else ():
+        block.fc.bias = None
     steps = []
     codes = _generated_code(lambda: steps.append(compiled_steps(model, x, capacity=4096)))
     ((stats, _, _),) = steps
@@ -505,36 +509,60 @@ def test_a_fused_relu_square_backward_gives_the_gradients_of_the_graph_without_i
 
 
 class ReLUSquareMLP(nn.Module):
-    """``proj(relu(fc(x)) ** 2)``, its square also summed if ``square_summed``."""
+    """``proj(relu(fc(x)) ** 2)``, both with biases or without, its square also summed if
+    ``square_summed``, a parameter added to ``fc(x)`` if ``shifted``."""
 
-    def __init__(self, bias: bool, square_summed: bool = False, dim: int = 64, hidden: int = 256):
+    def __init__(self, bias: bool, square_summed=False, shifted=False, dim: int = 64, hidden: int = 256):
         super().__init__()
-        self.fc, self.proj = nn.Linear(dim, hidden, bias=bias), nn.Linear(hidden, dim)
+        self.fc, self.proj = nn.Linear(dim, hidden, bias=bias), nn.Linear(hidden, dim, bias=bias)
+        self.shift = nn.Parameter(torch.randn(hidden) / 8) if shifted else None
         self.square_summed = square_summed
 
     def forward(self, x):
-        square = torch.relu(self.fc(x)) ** 2
+        square = torch.relu(self.fc(x) if self.shift is None else self.fc(x) + self.shift) ** 2
         return self.proj(square) + (square.sum(-1, keepdim=True) if self.square_summed else 0)
 
 
 @pytest.mark.usefixtures("fused_backwards_on_the_cpu")
+@pytest.mark.parametrize("square_summed, shifted", [(True, False), (False, True)], ids=["square_summed", "shifted"])
+def test_a_16_bit_layer_keeps_the_roundings_of_the_graph_without_bitsparse(square_summed, shifted):
+    """Inductor rounds a 16-bit tensor where it writes it into memory: a tensor the graph
+    saves, as it makes it; a tensor only used within the graph, in each kernel that reads it
+    from memory, while a kernel it fuses the producer into sees float32. Here, with BitSparse
+    steering the partitioner as it does for ``proj(relu(fc(x)) ** 2)``, a square that the
+    forward also sums would be summed unrounded, and ``fc(x) + shift`` would become one matrix
+    product with the shift added before rounding (a pattern inductor applies to a product
+    that nothing else uses): the graph saves what it saves without BitSparse where steering
+    could change a rounding, and a stored tensor is written to memory as a saved one is
+    (gradients bit-identical in ``compiled_steps``)."""
+    torch.manual_seed(0)
+    model = ReLUSquareMLP(False, square_summed, shifted, dim=256, hidden=1024).to(torch.bfloat16)
+    compiled_steps(model, torch.randn(128, 256, dtype=torch.bfloat16))
+
+
+@pytest.mark.usefixtures("fused_backwards_on_the_cpu")
 @pytest.mark.parametrize(
-    "bias, square_summed, fused", [(False, False, (1, 1)), (True, False, (1, 0)), (False, True, (0, 1))],
+    "bias, square_summed, stored, fused",
+    [(False, False, 1, (1, 1)), (True, False, 1, (1, 0)), (False, True, 2, (0, 0))],
     ids=["no_bias", "bias", "square_summed"],
 )
-def test_a_16_bit_square_and_gradient_are_fused_only_where_matrix_products_read_them(bias, square_summed, fused):
+def test_a_16_bit_square_and_gradient_are_fused_only_where_matrix_products_read_them(
+    bias, square_summed, stored, fused
+):
     """In 16 bits, the forward writes the square, and the backward the square and the ReLU
     input's gradient, in BitSparse's ops only where nothing but matrix products read them:
     inductor computes a consumer it fuses with their producer (the bias's gradient, a sum of
     the input's gradient; a sum of the square) from values not yet rounded to 16 bits, which
-    the ops cannot give it (``_only_read_from_memory``). Gradients exact in each case."""
+    the ops cannot give it (``_only_read_from_memory``). A square also summed is saved, as in
+    the graph without BitSparse, and stored beside the ReLU output. Gradients exact in each
+    case."""
     torch.manual_seed(0)
     model = ReLUSquareMLP(bias, square_summed).to(torch.bfloat16)
     x = torch.randn(128, 64, dtype=torch.bfloat16)
     steps = []
     codes = _generated_code(lambda: steps.append(compiled_steps(model, x)))
     ((stats, _, _),) = steps
-    assert [s.tensors_compressed for s in stats] == [1, 1, 1]
+    assert [s.tensors_compressed for s in stats] == [stored] * 3
     (forward,) = [code for code in codes if "bitsparse.store" in code]
     (backward,) = [code for code in codes if "bitsparse.restore" in code]
     assert forward.count("bitsparse.store_relu_square.default(") == fused[0]

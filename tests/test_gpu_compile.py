@@ -96,6 +96,20 @@ def test_a_relu_square_layer_has_the_gradients_of_the_graph_without_it(bias):
     assert fused == (0 if bias else 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("square_summed, shifted", [(True, False), (False, True)], ids=["square_summed", "shifted"])
+def test_a_layer_keeps_the_roundings_of_the_graph_without_bitsparse(square_summed, shifted, dtype):
+    """test_compile's test of this name with CUDA's kernels, in float32 too: a reduction that
+    inductor fuses with its input's producer may sum in another order than one that reads
+    the input from memory (a float32 square that the forward also sums, recomputed in the
+    backward where the graph without BitSparse saves it, gave other gradients)."""
+    from test_compile import ReLUSquareMLP, compiled_steps
+
+    torch.manual_seed(0)
+    model = ReLUSquareMLP(False, square_summed, shifted, dim=256, hidden=1024).cuda().to(dtype)
+    compiled_steps(model, torch.randn(512, 256, device="cuda", dtype=dtype), min_numel=1024)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_a_fused_relu_square_backward_gives_the_gradients_of_the_graph_without_it(dtype):
     """The decoder's square and gradient are inductor's, for every pattern of the 16-bit
