@@ -9,7 +9,8 @@ choice of what to compress is made once, at compile time, by the same rule as in
 (``provenance.classify_fx_node``): a selected tensor's pack becomes a ``bitsparse::store`` op,
 its unpack a ``bitsparse::restore_into`` op, and every other saved tensor passes through
 untouched, with no Python at run time. Inductor writes what a store stores to memory as it
-would a saved tensor (``_register_lowerings``). Eager autograd calls the same two objects as plain
+would a saved tensor, in the layout inductor gives a saved tensor (``_register_lowerings``,
+``_saved_strides``). Eager autograd calls the same two objects as plain
 hooks, which go straight to the eager path (``Session.pack``/``unpack``).
 
 The ops are Python functions registered with the dispatcher: ``store`` hands the tensor to the
@@ -32,7 +33,7 @@ Four passes and a setting steer the compiler:
   ReLU-family node that would be compressed ``MUST_SAVE`` and the squares of it
   ``PREFER_RECOMPUTE``, the tags selective activation checkpointing gives the partitioner: the
   ReLU output is saved, and compressed, and its square is recomputed from it; only where that
-  changes no value of the graph (``_keeps_roundings_when_saved``, ``_only_read_from_memory``).
+  changes no value of the graph (``_held_in_memory``, ``_only_read_from_memory``).
 - A ReLU output that the forward only squares besides saving it (``fc2(relu(fc1(x)) ** 2)``)
   is stored by one op that reads the ReLU's input and writes the square
   (``fuse_relu_squares``, a post-grad pass): the forward writes no ReLU output and reads no
@@ -60,6 +61,7 @@ import itertools
 import operator
 import sys
 import threading
+from types import SimpleNamespace
 
 import torch
 from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
@@ -192,7 +194,34 @@ def _trace_pack(t: torch.Tensor, number: int, options: Options, excluded: frozen
     # The size and strides travel with the key: with dynamic shapes they are symbols of the
     # forward, which the backward receives as inputs. Three items: the unpack hook tells this
     # from eager autograd's two (see Session.unpack_hook).
-    return (torch.ops.bitsparse.store(t, number, fx_site(node)), tuple(t.shape), tuple(t.stride()))
+    stride = _saved_strides(node, t)
+    return (torch.ops.bitsparse.store(t, number, fx_site(node), stride), tuple(t.shape), stride)
+
+
+def _saved_strides(node: torch.fx.Node, t: torch.Tensor) -> tuple:
+    """The strides inductor gives ``node``'s value when the graph saves it, which the stored
+    tensor and its restore's buffer take, so that the backward reads the layout it reads
+    without BitSparse: channels-last for a dense 4-d tensor that inductor's layout
+    optimization prefers so (its rule for a saved tensor), the traced strides otherwise."""
+    static = all(isinstance(n, int) for n in (*t.shape, *t.stride()))
+    dense = static and (t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last))
+    if t.dim() == 4 and dense and node in _channels_last_nodes(node.graph):
+        return tuple(torch.empty(t.shape, device="meta").to(memory_format=torch.channels_last).stride())
+    return tuple(t.stride())
+
+
+def _channels_last_nodes(graph: torch.fx.Graph) -> frozenset:
+    """The nodes of a forward graph that inductor lays out channels-last where it can
+    (``GraphLowering``'s layout optimization, decided for the whole graph)."""
+    cached = graph.__dict__.get("_bitsparse_channels_last")
+    if cached is None:
+        from torch._inductor.graph import GraphLowering
+
+        module = graph.owning_module
+        optimized = module is not None and GraphLowering.decide_layout_opt(module, is_inference=False)
+        found = GraphLowering.find_nodes_prefer_channels_last(SimpleNamespace(module=module)) if optimized else ()
+        cached = graph.__dict__["_bitsparse_channels_last"] = frozenset(found)
+    return cached
 
 
 def _trace_unpack(packed):
@@ -222,7 +251,7 @@ def steer(graph_module: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
         _steer_inductor(undo)
     for node in graph_module.graph.nodes:
         kind = fx_kind(node)
-        if kind == RELU and selected(node, options, excluded) and _keeps_roundings_when_saved(node):
+        if kind == RELU and selected(node, options, excluded) and _held_in_memory(node.args[0]):
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
         elif kind == SQUARE and classify_fx_node(node) is Provenance.RELU and _only_read_from_memory(node):
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
@@ -400,31 +429,15 @@ def _only_read_from_memory(node: torch.fx.Node) -> bool:
 
 def _held_in_memory(node) -> bool:
     """Whether inductor's code reads ``node``'s value from memory wherever it is used, rounded
-    to its dtype: a graph input or a matrix product's output (an extern kernel's), through
-    views. Any other op's value a kernel may compute again in float32 where it uses it, and
-    a fused op, which reads the rounded value, would then see another value than the graph's
-    own kernel."""
+    to its dtype, whatever the graph saves: a graph input or a matrix product's output (an
+    extern kernel's), through views. Any other op's value a kernel may compute again in
+    float32 where it uses it, so that a fused op, which reads the rounded value, would see
+    another value than the graph's own kernel; and what inductor fuses with it changes with
+    what is saved (``steer``)."""
     aten = torch.ops.aten
     while getattr(node.target, "_opname", None) in _VIEWS and isinstance(node.args[0], torch.fx.Node):
         node = node.args[0]
     return node.op == "placeholder" or node.target in (aten.mm.default, aten.addmm.default, aten.bmm.default)
-
-
-def _keeps_roundings_when_saved(relu: torch.fx.Node) -> bool:
-    """Whether saving ``relu``'s output in place of what the partitioner would save leaves
-    every value of the graph as it is without BitSparse: its input is held in memory, or used
-    by nothing but ``relu`` (whose output is the same from a rounded input as from an
-    unrounded one) and not a sum onto a matrix product (which inductor folds into the product,
-    adding before rounding, once nothing else uses the product)."""
-    source = relu.args[0]
-    if _held_in_memory(source):
-        return True
-    if len(source.users) != 1:
-        return False
-    aten = torch.ops.aten
-    products = (aten.mm.default, aten.addmm.default)
-    operands = [a for a in source.args if isinstance(a, torch.fx.Node)]
-    return source.target not in (aten.add.Tensor, aten.sub.Tensor) or all(a.target not in products for a in operands)
 
 
 def fuse_relu_squares(graph: torch.fx.Graph) -> None:
@@ -448,7 +461,7 @@ def fuse_relu_squares(graph: torch.fx.Graph) -> None:
     """
     for store in list(graph.find_nodes(op="call_function", target=torch.ops.bitsparse.store.default)):
         path = _relu_to_saved(store.args[0])
-        if path is None:
+        if path is None or tuple(store.args[3]) != tuple(path[-1].meta["val"].stride()):
             continue
         saved = path[-1]
         square = next(user for user in saved.users if user is not store)
@@ -456,7 +469,7 @@ def fuse_relu_squares(graph: torch.fx.Graph) -> None:
             source = path[0].args[0]  # the ReLU's input, reshaped as the saved tensor was
             for view in path[1:]:
                 source = graph.node_copy(view, lambda arg, old=view.args[0], new=source: new if arg is old else arg)
-            fused = graph.call_function(torch.ops.bitsparse.store_relu_square.default, (source, *store.args[1:]))
+            fused = graph.call_function(torch.ops.bitsparse.store_relu_square.default, (source, *store.args[1:3]))
             key = graph.call_function(operator.getitem, (fused, 0))
             squared = graph.call_function(operator.getitem, (fused, 1))
         fused.meta["val"] = (store.meta["val"], square.meta["val"])
@@ -727,7 +740,7 @@ def _post_grad_passes() -> type:
 # ``torch.library.custom_op`` wraps its function in Python layers (autograd, alias checks) that
 # cost several microseconds of host time per call, twice per stored tensor and step.
 _library = torch.library.Library("bitsparse", "FRAGMENT")
-_library.define("store(Tensor x, int hooks, str site) -> Tensor", tags=(torch.Tag.flexible_layout,))
+_library.define("store(Tensor x, int hooks, str site, SymInt[] stride) -> Tensor", tags=(torch.Tag.flexible_layout,))
 _library.define("store_relu_square(Tensor x, int hooks, str site) -> (Tensor, Tensor)")
 _library.define("restore_into(Tensor key, Tensor(a!) out) -> ()")
 _library.define(
@@ -735,9 +748,10 @@ _library.define(
 )
 
 
-def store(x: torch.Tensor, hooks: int, site: str) -> torch.Tensor:
+def store(x: torch.Tensor, hooks: int, site: str, stride: list[int]) -> torch.Tensor:
     """``bitsparse::store``: store ``x``, a tensor a compiled forward saves, with the options
-    of the hook pair numbered ``hooks``; returns the key of its handle."""
+    of the hook pair numbered ``hooks``; returns the key of its handle. ``x`` has the strides
+    ``stride`` (inductor's lowering gives it them), those of the buffer it is restored into."""
     return _stored(x, hooks, site)
 
 
@@ -784,7 +798,7 @@ _library.impl("restore_relu_square_backward", restore_relu_square_backward, "Com
 
 
 @torch.library.register_fake("bitsparse::store", lib=_library)
-def _(x, hooks, site):
+def _(x, hooks, site, stride):
     return torch.empty(1, dtype=torch.int64)
 
 
@@ -831,14 +845,12 @@ def _register_lowerings() -> None:
     there, its value in every use is the one it has in the graph without BitSparse."""
     from torch._inductor.ir import ExternKernel
     from torch._inductor.lowering import fallback_handler, register_lowering
-    from torch._inductor.virtualized import V
 
     register_lowering(torch.ops.bitsparse.mark.default)(lambda x: x)
     fallback = fallback_handler(torch.ops.bitsparse.store.default, add_to_fallback_set=False)
 
     @register_lowering(torch.ops.bitsparse.store.default, type_promotion_kind=None)
-    def _(x, hooks, site):
+    def _(x, hooks, site, stride):
         x.realize()  # in place: what lowers after reads this buffer
-        # Of the strides the restore's buffer will have (the op's tag leaves them to this).
-        x = ExternKernel.require_exact_strides(x, V.graph.current_node.args[0].meta["val"].stride())
-        return fallback(x, hooks, site)
+        # The strides of the restore's buffer (the op's tag leaves them to this lowering).
+        return fallback(ExternKernel.require_exact_strides(x, stride), hooks, site, stride)

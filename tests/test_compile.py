@@ -144,8 +144,12 @@ def mixed(model, counter):
     return model
 
 
-def test_compiled_convnet_with_inplace_relu():
-    model, x = convnet(), image_input()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_compiled_convnet_with_inplace_relu(dtype):
+    """Exact in 16 bits too: a ReLU of a batch norm's output is stored where the graph saves
+    it, not made to be saved (which changed how inductor fused the norm's statistics, and
+    with them the forward's values in bf16)."""
+    model, x = convnet().to(dtype), image_input().detach().to(dtype).requires_grad_()
     stats, frames, _ = compiled_steps(model, x)
     assert frames == 1
     # The partitioner keeps a one-byte mask for the first ReLU's backward (MaxPool2d saves its
@@ -279,6 +283,10 @@ def test_changing_options_compiles_once_per_new_option_set():
 
 
 def test_select_all_learns_and_compiles_once_more_without_the_sites_that_do_not_pay():
+    """Exact from the first step: the convolutions' outputs and what follows them, which
+    inductor lays out channels-last in this graph where eager's strides are contiguous, are
+    stored and restored in that layout, as the graph without BitSparse saves them (in eager's
+    layout, the backward's kernels reduced in another order)."""
     model, x = convnet(), image_input()
     stats, frames, _ = compiled_steps(model, x, steps=4, select="all")
     assert stats[0].tensors_seen > stats[-1].tensors_seen == stats[-1].tensors_compressed == 1
