@@ -99,10 +99,11 @@ def test_a_relu_square_layer_has_the_gradients_of_the_graph_without_it(bias):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("square_summed, shifted", [(True, False), (False, True)], ids=["square_summed", "shifted"])
 def test_a_layer_keeps_the_roundings_of_the_graph_without_bitsparse(square_summed, shifted, dtype):
-    """test_compile's test of this name with CUDA's kernels, in float32 too: a reduction that
-    inductor fuses with its input's producer may sum in another order than one that reads
-    the input from memory (a float32 square that the forward also sums, recomputed in the
-    backward where the graph without BitSparse saves it, gave other gradients)."""
+    """test_compile's ``test_a_16_bit_layer_keeps_the_roundings_of_the_graph_without_bitsparse``
+    with CUDA's kernels, in float32 too: a reduction that inductor fuses with its input's
+    producer may sum in another order than one that reads the input from memory (a float32
+    square that the forward also sums, recomputed in the backward where the graph without
+    BitSparse saves it, gave other gradients)."""
     from test_compile import ReLUSquareMLP, compiled_steps
 
     torch.manual_seed(0)
