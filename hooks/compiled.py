@@ -10,7 +10,8 @@ choice of what to compress is made once, at compile time, by the same rule as in
 its unpack a ``bitsparse::restore_into`` op, and every other saved tensor passes through
 untouched, with no Python at run time. Inductor writes what a store stores to memory as it
 would a saved tensor, in the layout inductor gives a saved tensor (``_register_lowerings``,
-``_saved_strides``). Eager autograd calls the same two objects as plain
+``_saved_strides``; a tensor whose strides inductor may pad is kept, ``_padded_by_inductor``).
+Eager autograd calls the same two objects as plain
 hooks, which go straight to the eager path (``Session.pack``/``unpack``).
 
 The ops are Python functions registered with the dispatcher: ``store`` hands the tensor to the
@@ -188,13 +189,15 @@ def _trace_pack(t: torch.Tensor, number: int, options: Options, excluded: frozen
             "with mode='default' or mode='max-autotune-no-cudagraphs' inside bitsparse.compressing()."
         )
     node = _hook_context()["_node"]
-    if not selected(node, options, excluded):
+    if not selected(node, options, excluded) or _returned(node):
+        return t
+    stride = _saved_strides(node, t)
+    if _padded_by_inductor(node.graph, t, stride):
         return t
     _steer_late()
     # The size and strides travel with the key: with dynamic shapes they are symbols of the
     # forward, which the backward receives as inputs. Three items: the unpack hook tells this
     # from eager autograd's two (see Session.unpack_hook).
-    stride = _saved_strides(node, t)
     return (torch.ops.bitsparse.store(t, number, fx_site(node), stride), tuple(t.shape), stride)
 
 
@@ -209,6 +212,47 @@ def _saved_strides(node: torch.fx.Node, t: torch.Tensor) -> tuple:
         _, channels, height, width = t.shape
         return (height * width * channels, 1, width * channels, channels)
     return tuple(t.stride())
+
+
+def _returned(node: torch.fx.Node) -> bool:
+    """Whether the forward returns ``node``'s value as well as saving it (its output lists the
+    node twice). Storing it would save no memory, the caller holding it, and inductor lays it
+    out with eager's strides rather than a saved tensor's. AOTAutograd's default filter
+    (``saved_tensors_hooks_filtering_mode="donated"``) never hands such a tensor to the hooks;
+    the other modes do."""
+    (outputs,) = node.graph.output_node().args
+    return sum(output is node for output in outputs) > 1
+
+
+def _padded_by_inductor(graph: torch.fx.Graph, value: torch.Tensor, stride: tuple) -> bool:
+    """Whether inductor may pad the strides of ``value`` saved with ``stride``: its
+    comprehensive padding rounds each stride above ``padding_stride_threshold`` elements up to
+    a multiple of ``padding_alignment_bytes`` where a buffer's layout is its to choose (on GPUs,
+    not channels-last). The restore's buffer takes its strides when the backward is traced,
+    before inductor lays the forward out, so a tensor it may pad is not stored: read with other
+    strides, the backward's matrix products may take other kernels (on the H200, a bf16 layer
+    of 4000 hidden units with a bias got other gradients). Errs toward True."""
+    from torch._inductor import config
+    if not config.comprehensive_padding or value.dim() < 2:
+        return False
+    if config.disable_padding_cpu and not _compiled_for_gpu(graph):
+        return False
+    if not all(isinstance(n, int) for n in (*value.shape, *stride)):
+        return config.pad_dynamic_shapes
+    if value.dim() == 4 and not config.pad_channels_last and stride[1] == 1:
+        return False
+    align = config.padding_alignment_bytes // value.element_size()
+    return any(n > config.padding_stride_threshold and n % align for n in stride)
+
+
+def _compiled_for_gpu(graph: torch.fx.Graph) -> bool:
+    """Whether a graph input is on a GPU, which turns inductor's padding on (see
+    ``torch._inductor.config.disable_padding_cpu``)."""
+    for placeholder in graph.find_nodes(op="placeholder"):
+        value = placeholder.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            return True
+    return False
 
 
 def _channels_last_nodes(graph: torch.fx.Graph) -> frozenset:
@@ -253,6 +297,9 @@ def steer(graph_module: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
     for node in graph_module.graph.nodes:
         kind = fx_kind(node)
         if kind == RELU and selected(node, options, excluded) and _held_in_memory(node.args[0]):
+            value = node.meta["val"]
+            if _padded_by_inductor(graph_module.graph, value, value.stride()):
+                continue
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
         elif kind == SQUARE and classify_fx_node(node) is Provenance.RELU and _only_read_from_memory(node):
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE

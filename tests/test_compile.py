@@ -9,6 +9,7 @@ it also checks that steps under ``compressing()`` do not compile again.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -185,6 +186,65 @@ def _generated_code(fn) -> list[str]:
     with mock.patch.object(GraphLowering, "save_output_code", codes.append):
         fn()
     return codes
+
+
+@pytest.mark.parametrize("hidden, stored", [(400, 0), (448, 1)])
+def test_a_tensor_inductor_pads_is_kept_in_the_layout_the_backward_reads(hidden, stored):
+    """Inductor pads the rows of a buffer whose layout it chooses (its comprehensive padding,
+    on GPUs: rows longer than ``padding_stride_threshold`` elements rounded up to 128 bytes;
+    turned on here for the CPU, with a lower threshold). A restore's buffer takes its strides
+    before inductor lays the forward out, so a ReLU output of 400 float32 elements a row,
+    padded to 416, is kept as the graph saves it, and one of 448, a multiple of 32, is stored:
+    either way the backward reads the layout it reads without BitSparse."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, hidden, bias=False), nn.ReLU(), nn.Linear(hidden, 64, bias=False))
+    with torch._inductor.config.patch(disable_padding_cpu=False, padding_stride_threshold=64):
+        runs = []
+        codes = _generated_code(lambda: runs.append(compiled_steps(model, torch.randn(256, 64), steps=2)))
+    ((stats, frames, _),) = runs
+    assert frames == 1 and [s.tensors_compressed for s in stats] == [stored, stored]
+    _, dense_backward, _, backward = codes
+
+    def relu_row_stride(code: str) -> int:
+        """The row stride of the ReLU output the backward reads: the saved tensor's, or that
+        of the buffer it is restored into."""
+        (buffer,) = re.findall(r"bitsparse\.restore_into\.default\(\w+, (\w+)\)", code) or [r"relu\w*"]
+        (stride,) = re.findall(rf"\b{buffer}(?: = empty_strided_cpu\(|, )\(256, {hidden}\), \((\d+), 1\)", code)
+        return int(stride)
+
+    assert relu_row_stride(backward) == relu_row_stride(dense_backward) == (hidden if stored else 416)
+
+
+class ReturnsFirstHidden(nn.Module):
+    """``mlp()`` that also returns its first ReLU output."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = mlp()
+
+    def forward(self, x):
+        first = self.layers[1](self.layers[0](x))
+        return self.layers[2:](first), first
+
+
+class FirstOutput(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)[0]
+
+
+def test_a_tensor_the_forward_also_returns_is_not_stored():
+    """With hooks on every tensor a graph saves (AOTAutograd's default filter hands them none
+    that an output shares), a ReLU output that the forward returns as well is kept as it is:
+    its caller holds it anyway. The other one is stored."""
+    with torch._functorch.config.patch(saved_tensors_hooks_filtering_mode="all"):
+        stats, frames, _ = compiled_steps(
+            ReturnsFirstHidden(), mlp_input(), compile=lambda m, counter: FirstOutput(torch.compile(m, backend=counter))
+        )
+    assert frames == 1 and [s.tensors_compressed for s in stats] == [1, 1, 1]
 
 
 @pytest.mark.parametrize("steered_by", ["block", "compile_callbacks"])

@@ -111,6 +111,22 @@ def test_a_layer_keeps_the_roundings_of_the_graph_without_bitsparse(square_summe
     compiled_steps(model, torch.randn(512, 256, device="cuda", dtype=dtype), min_numel=1024)
 
 
+@pytest.mark.parametrize("hidden, stored", [(4000, 0), (4032, 1)])
+def test_a_layer_whose_rows_inductor_pads_keeps_its_gradients(hidden, stored):
+    """test_compile's ``test_a_tensor_inductor_pads_is_kept_in_the_layout_the_backward_reads``
+    with CUDA's own padding: the ReLU output of a bf16 layer of 4000 hidden units (rows that
+    inductor pads to 4032 elements) is kept as the graph saves it; restored with unpadded
+    strides, its biased layer's gradients differed. A layer of 4032 units is stored."""
+    from test_compile import ReLUSquareMLP, compiled_steps
+
+    torch.manual_seed(0)
+    model = ReLUSquareMLP(True, dim=1000, hidden=hidden).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        model.fc.bias -= 1.0  # mostly zeros
+    stats, _, _ = compiled_steps(model, torch.randn(512, 1000, device="cuda", dtype=torch.bfloat16), min_numel=1024)
+    assert [s.tensors_compressed for s in stats] == [stored] * 3
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_a_fused_relu_square_backward_gives_the_gradients_of_the_graph_without_it(dtype):
     """The decoder's square and gradient are inductor's, for every pattern of the 16-bit
