@@ -132,6 +132,26 @@ def test_compiled_transformer_stack_whole_and_per_block():
     assert [s.tensors_compressed for s in blocks] == [3, 3, 3]
 
 
+def test_dynamic_shapes_compile_once_for_every_length():
+    """``dynamic=True``: the stored tensors' sizes and strides are symbols of the forward,
+    which the backward receives; one compile serves every sequence length, exactly."""
+    check_dynamic_shapes(torch.device("cpu"), torch.float32)
+
+
+def check_dynamic_shapes(device: torch.device, dtype: torch.dtype) -> None:
+    model = transformer().to(device, dtype)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, dynamic=True)
+    frames = []
+    for length in (40, 24, 16):  # longest first: the arena follows demand, and a longer step falls back once
+        x = torch.randn(4, length, 32, generator=generator("dynamic", length)).to(device, dtype).requires_grad_()
+        expected = train_step(compiled, x, contextlib.nullcontext())
+        frames.append(counter.frame_count)
+        assert_same_grads(train_step(compiled, x, bitsparse.compressing(**OPTIONS)), expected)
+        assert bitsparse.stats().tensors_compressed == 3
+    assert counter.frame_count == frames[0] + 1  # once more, for the hooks
+
+
 def test_eager_and_compiled_parts_in_one_model():
     model = transformer()
     stats, frames, _ = compiled_steps(model, sequence_input(), compile=lambda m, c: mixed(m, c))

@@ -127,6 +127,13 @@ def test_a_layer_whose_rows_inductor_pads_keeps_its_gradients(hidden, stored):
     assert [s.tensors_compressed for s in stats] == [stored] * 3
 
 
+def test_dynamic_shapes_compile_once_for_every_length():
+    """test_compile's test of the same name, in bf16 on CUDA."""
+    from test_compile import check_dynamic_shapes
+
+    check_dynamic_shapes(torch.device("cuda"), torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_a_fused_relu_square_backward_gives_the_gradients_of_the_graph_without_it(dtype):
     """The decoder's square and gradient are inductor's, for every pattern of the 16-bit
