@@ -11,8 +11,8 @@ its unpack a ``bitsparse::restore_into`` op, and every other saved tensor passes
 untouched, with no Python at run time. Inductor writes what a store stores to memory as it
 would a saved tensor, in the layout inductor gives a saved tensor (``_register_lowerings``,
 ``_saved_strides``; a tensor whose strides inductor may pad is kept, ``_padded_by_inductor``).
-Eager autograd calls the same two objects as plain
-hooks, which go straight to the eager path (``Session.pack``/``unpack``).
+Eager autograd calls the same two objects as plain hooks, which go straight to the eager path
+(``Session.pack``/``unpack``).
 
 The ops are Python functions registered with the dispatcher: ``store`` hands the tensor to the
 session, which compresses it into the device's arena exactly as in eager mode (measured when
@@ -233,6 +233,7 @@ def _padded_by_inductor(graph: torch.fx.Graph, value: torch.Tensor, stride: tupl
     strides, the backward's matrix products may take other kernels (on the H200, a bf16 layer
     of 4000 hidden units with a bias got other gradients). Errs toward True."""
     from torch._inductor import config
+
     if not config.comprehensive_padding or value.dim() < 2:
         return False
     if config.disable_padding_cpu and not _compiled_for_gpu(graph):
