@@ -34,7 +34,8 @@ Four passes and a setting steer the compiler:
   ReLU-family node that would be compressed ``MUST_SAVE`` and the squares of it
   ``PREFER_RECOMPUTE``, the tags selective activation checkpointing gives the partitioner: the
   ReLU output is saved, and compressed, and its square is recomputed from it; only where that
-  changes no value of the graph (``_held_in_memory``, ``_only_read_from_memory``).
+  changes no value of the graph (``_held_in_memory``, ``_only_read_from_memory``), and not in
+  a region the user checkpoints.
 - A ReLU output that the forward only squares besides saving it (``fc2(relu(fc1(x)) ** 2)``)
   is stored by one op that reads the ReLU's input and writes the square
   (``fuse_relu_squares``, a post-grad pass): the forward writes no ReLU output and reads no
@@ -285,8 +286,9 @@ def _trace_unpack(packed):
 
 def steer(graph_module: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
     """Make the partitioner save each ReLU-family tensor the installed hooks compress, and
-    recompute its squares from it (see the module's docstring); set inductor up to compile
-    the graph (``_steer_inductor``)."""
+    recompute its squares from it (see the module's docstring), leaving the tags of the
+    user's own checkpointing as they are; set inductor up to compile the graph
+    (``_steer_inductor``)."""
     selection = _innermost_selection()
     if selection is None:
         return graph_module
@@ -296,6 +298,8 @@ def steer(graph_module: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
     if undo is not None:
         _steer_inductor(undo)
     for node in graph_module.graph.nodes:
+        if "recompute" in node.meta:
+            continue  # in a region the user checkpoints, whose plan stands
         kind = fx_kind(node)
         if kind == RELU and selected(node, options, excluded) and _held_in_memory(node.args[0]):
             value = node.meta["val"]

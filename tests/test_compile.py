@@ -9,6 +9,7 @@ it also checks that steps under ``compressing()`` do not compile again.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 
 import pytest
@@ -34,6 +35,7 @@ from test_hooks import (  # noqa: F401 (clean_session: autouse fixture, reportin
     transformer,
 )
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.utils.checkpoint import CheckpointPolicy
 
 import bitsparse
 from bitsparse.bench.models import GPT, GPTConfig
@@ -233,6 +235,37 @@ def test_a_tensor_inductor_pads_is_kept_in_the_layout_the_backward_reads(hidden,
         return int(stride)
 
     assert relu_row_stride(backward) == relu_row_stride(dense_backward) == (hidden if stored else 416)
+
+
+class CheckpointedMLP(nn.Module):
+    """``mlp()`` run under ``torch.utils.checkpoint``, with a selective policy that saves
+    ReLU outputs if ``save_relus``."""
+
+    def __init__(self, save_relus: bool):
+        super().__init__()
+        self.layers, self.save_relus = mlp(), save_relus
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        def policy(ctx, op, *args, **kwargs):
+            relu = op is torch.ops.aten.relu.default
+            return CheckpointPolicy.MUST_SAVE if relu else CheckpointPolicy.PREFER_RECOMPUTE
+
+        context = functools.partial(create_selective_checkpoint_contexts, policy)
+        if self.save_relus:
+            return checkpoint(self.layers, x, use_reentrant=False, context_fn=context)
+        return checkpoint(self.layers, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("save_relus, stored", [(False, 0), (True, 2)], ids=["checkpoint", "relus_saved"])
+def test_a_checkpointed_region_keeps_the_users_plan(save_relus, stored):
+    """Compiled, the partitioner recomputes what the user checkpoints; BitSparse, which tags
+    ReLU outputs to be saved where they are its to compress, leaves a checkpointed region's
+    tags as they are: nothing of it is saved, as without BitSparse. Where the user's policy
+    saves the ReLU outputs, they are stored."""
+    stats, frames, _ = compiled_steps(CheckpointedMLP(save_relus), mlp_input())
+    assert frames == 1 and [(s.tensors_seen, s.tensors_compressed) for s in stats] == [(stored, stored)] * 3
 
 
 class ReturnsFirstHidden(nn.Module):
