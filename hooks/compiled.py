@@ -287,8 +287,11 @@ def _trace_unpack(packed):
 def steer(graph_module: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
     """Make the partitioner save each ReLU-family tensor the installed hooks compress, and
     recompute its squares from it (see the module's docstring), leaving the tags of the
-    user's own checkpointing as they are; set inductor up to compile the graph
-    (``_steer_inductor``)."""
+    user's own checkpointing as they are, and tagging nothing where the user gave the
+    partitioner a memory budget (``activation_memory_budget`` below 1), whose plan stands;
+    set inductor up to compile the graph (``_steer_inductor``)."""
+    import torch._functorch.config as functorch_config
+
     selection = _innermost_selection()
     if selection is None:
         return graph_module
@@ -297,6 +300,8 @@ def steer(graph_module: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
     undo = getattr(_steering, "undo", None)
     if undo is not None:
         _steer_inductor(undo)
+    if functorch_config.activation_memory_budget < 1:
+        return graph_module
     for node in graph_module.graph.nodes:
         if "recompute" in node.meta:
             continue  # in a region the user checkpoints, whose plan stands

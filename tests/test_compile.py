@@ -268,6 +268,17 @@ def test_a_checkpointed_region_keeps_the_users_plan(save_relus, stored):
     assert frames == 1 and [(s.tensors_seen, s.tensors_compressed) for s in stats] == [(stored, stored)] * 3
 
 
+def test_a_memory_budget_keeps_the_partitioners_plan():
+    """With a memory budget (``activation_memory_budget`` below 1) the partitioner recomputes
+    what it chooses to fit the budget; BitSparse tags nothing, and stores only the ReLU-family
+    tensors the graph saves without it (here none)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[ReLUSquareMLP(True, dim=64, hidden=256) for _ in range(3)])
+    with torch._functorch.config.patch(activation_memory_budget=0.3):
+        stats, frames, _ = compiled_steps(model, mlp_input(batch=512, d_in=64))
+    assert frames == 1 and [(s.tensors_seen, s.tensors_compressed) for s in stats] == [(0, 0)] * 3
+
+
 class ReturnsFirstHidden(nn.Module):
     """``mlp()`` that also returns its first ReLU output."""
 
