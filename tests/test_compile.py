@@ -35,7 +35,7 @@ from test_hooks import (  # noqa: F401 (clean_session: autouse fixture, reportin
     transformer,
 )
 from torch._dynamo.testing import CompileCounterWithBackend
-from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import bitsparse
 from bitsparse.bench.models import GPT, GPTConfig
@@ -246,8 +246,6 @@ class CheckpointedMLP(nn.Module):
         self.layers, self.save_relus = mlp(), save_relus
 
     def forward(self, x):
-        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
         def policy(ctx, op, *args, **kwargs):
             relu = op is torch.ops.aten.relu.default
             return CheckpointPolicy.MUST_SAVE if relu else CheckpointPolicy.PREFER_RECOMPUTE
