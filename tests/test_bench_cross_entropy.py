@@ -43,3 +43,22 @@ def test_triton_kernel_matches_cross_entropy(vocab):
     F.cross_entropy(expected, targets).backward()
     torch.testing.assert_close(losses, F.cross_entropy(logits, targets, reduction="none"))
     torch.testing.assert_close(gradient, expected.grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor calls the Triton kernel on CUDA only")
+def test_triton_kernel_compiled_with_dynamic_shapes_matches_eager():
+    pytest.importorskip("bitsparse.bench.cross_entropy_triton")
+    torch._dynamo.reset()
+    compiled = torch.compile(cross_entropy.linear_cross_entropy, dynamic=True)
+    torch.manual_seed(0)
+    weight = torch.randn(5000, 64, device="cuda", requires_grad=True)
+    for rows in (40, 24):  # the second length runs the graph compiled for a symbolic length
+        hidden = torch.randn(rows, 64, device="cuda", requires_grad=True)
+        targets = torch.randint(5000, (rows,), device="cuda")
+        results = []
+        for loss_fn in (cross_entropy.linear_cross_entropy, compiled):
+            loss = loss_fn(hidden, weight, targets)
+            results.append((loss, *torch.autograd.grad(loss, (hidden, weight))))
+        for eager, from_compiled in zip(*results):
+            torch.testing.assert_close(from_compiled, eager, rtol=1e-5, atol=1e-6)

@@ -8,8 +8,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _kernel(logits_ptr, targets_ptr, losses_ptr, vocab, row_stride, inv_rows, BLOCK: tl.constexpr):
+def _kernel(logits_ptr, targets_ptr, losses_ptr, vocab, row_stride, rows, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    # The mean's 1/rows, divided here: under torch.compile(dynamic=True) the row count is
+    # symbolic, and a symbolic float is not a valid kernel argument.
+    inv_rows = tl.div_rn(1.0, rows.to(tl.float32))
     logits = logits_ptr + row * row_stride
     # Online softmax: the running maximum and the sum of exponentials relative to it.
     peak = tl.full([], float("-inf"), tl.float32)
@@ -32,4 +35,4 @@ def _kernel(logits_ptr, targets_ptr, losses_ptr, vocab, row_stride, inv_rows, BL
 
 def loss_and_gradient_in_place(logits: torch.Tensor, targets: torch.Tensor, losses: torch.Tensor, block: int) -> None:
     rows, vocab = logits.shape
-    _kernel[(rows,)](logits, targets, losses, vocab, logits.stride(0), 1.0 / rows, BLOCK=block)
+    _kernel[(rows,)](logits, targets, losses, vocab, logits.stride(0), rows, BLOCK=block)
