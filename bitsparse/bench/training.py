@@ -132,7 +132,10 @@ class _Compiled(torch.nn.Module):
 def compiled(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], scope: str) -> Callable[[], torch.Tensor]:
     """``loss_fn`` under ``torch.compile``: its whole forward (``scope="model"``), or each of
     ``model.units()`` (``"block"``), which then run compiled only within the returned function.
-    Each size compiles its own graphs (``dynamic=False``), as a training run of one size does."""
+    Each size compiles its own graphs (``dynamic=False``), as a training run of one size does:
+    the compiled code of earlier models is dropped first, since dynamo keeps a few graphs per
+    function only (``recompile_limit``) and runs the function eagerly past them."""
+    torch._dynamo.reset()
     if scope == "model":
         return torch.compile(loss_fn, dynamic=False)
     units = model.units()
@@ -156,6 +159,9 @@ def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
 
 
+# A compiled mode that dynamo would run eagerly (past its recompile limit) raises rather than
+# being timed as compiled.
+@torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
 def compare_modes(
     model: torch.nn.Module,
     loss_fn: Callable[[], torch.Tensor],
