@@ -35,8 +35,8 @@ where a training step peaks), and the arena and the held copies together take no
 those tensors would dense, however wide the window.
 
 With ``spill``, the value region goes on in pinned host memory (``bitsparse.allocator.
-mapped``): the device part is sized for what the last step stored, the host part for the
-most that the last step's tensors could take beyond it. Appends are then sure to fit however
+mapped``): the device part is sized for what recent steps stored, the host part for the
+most that their tensors could take beyond it. Appends are then sure to fit however
 far the host runs ahead, so nothing is held or waited for; values that outrun the device
 part are written to the host part over the bus and read back from there in backward, and
 the next step's device part grows to take them.
@@ -45,9 +45,13 @@ An append that did not fit (or that was only measured: see ``Codec.measure``) st
 the cursor, so the cursor's last position is what the step would have needed.
 
 Leases tie the arena's contents to their users: while any lease is open, ``begin_step``
-keeps them. Otherwise it sizes both regions to what the last step needed (plus headroom)
-and empties them. The arena starts empty unless given a capacity: a first step only
-measures, and the next one has room for what the first needed.
+keeps them. Otherwise it sizes both regions to the most that any of the last
+``DEMAND_STEPS`` steps needed (plus headroom), so that steps of different sizes in turn (a
+longer batch every other step, two models trained by turns) each find room, and empties
+them. The device part never exceeds what the stored tensors of the smallest of those steps
+take dense: a step like any of them then holds less with the arena than it would hold
+without it. The arena starts empty unless given a capacity: a first step only measures, and
+the next one has room for what the first needed.
 
 The arena knows nothing of autograd or of the format: it hands out words.
 """
@@ -72,6 +76,8 @@ GROW_WHEN_ABOVE = 0.9
 """A region is grown when a step used more than this fraction of it."""
 HEADROOM = 1.15
 """A resized region is this much larger than the step's demand."""
+DEMAND_STEPS = 8
+"""A region is sized for the most that any of this many recent steps asked of it."""
 SPILL_SHARE_OF_HOST = 0.25
 """The most of the host's available memory the spill regions of its devices take together
 (they are pinned): each takes this divided by the number of visible devices."""
@@ -137,7 +143,7 @@ class Arena:
         fixed_fraction: share of an explicit capacity for the fixed region.
         window: most throttled appends whose end the host has not confirmed yet; None: as
             many as the hold allowance lets.
-        growable: resize the regions between steps to fit the last step's demand.
+        growable: resize the regions between steps to fit recent steps' demand.
         asynchronous: whether appends report their ends through report slots for a later
             ``poll`` (None: on CUDA, where reading the cursor would wait for the GPU; on the
             CPU, a codec that writes the slots exercises the same path, for tests).
@@ -185,6 +191,9 @@ class Arena:
         self._start_slots: tuple = ()
         self._expected_dense_words = 0
         """What the step's tensors are expected to take dense (see ``begin_step``)."""
+        self._demands: collections.deque = collections.deque(maxlen=DEMAND_STEPS)
+        """(fixed, value, most value) words each recent step that stored anything asked for,
+        and the dense words of its tensors (None: not known), newest last."""
         self._asynchronous = self._cuda if asynchronous is None else asynchronous
         self.spill = spill
         self._spill_refused = False
@@ -517,28 +526,42 @@ class Arena:
         return self._leases > 0
 
     def begin_step(
-        self, fixed_words: int | None, value_words: int | None, dense_words: int = 0, most_value_words: int = 0
+        self,
+        fixed_words: int | None,
+        value_words: int | None,
+        dense_words: int | None = None,
+        most_value_words: int = 0,
     ) -> bool:
-        """Empty the arena for a new step that is expected to need ``fixed_words`` and
-        ``value_words`` (what the last step needed; None when the last step asked nothing of
-        the arena, which says nothing of the next) for tensors that take ``dense_words``
-        dense and whose values could take ``most_value_words`` at most, unless a lease is
-        open; return whether it did.
+        """Empty the arena for a new step, unless a lease is open; return whether it did. The
+        last step needed ``fixed_words`` and ``value_words`` (None when it asked nothing of
+        the arena, which says nothing of the next) for tensors that take ``dense_words`` dense
+        (None: not known) and whose values could take ``most_value_words`` at most.
 
         Before emptying, it delivers the last step's reports and, if ``growable`` and the
-        demand is known, plans each region at the expected demand times ``HEADROOM`` when that
-        is above ``GROW_WHEN_ABOVE`` of its size or under half of it; the spill region's
-        demand is ``most_value_words`` less the value region's device part, capped at this
-        device's share of ``SPILL_SHARE_OF_HOST`` of the host's available memory. A region
-        that changes is released now and allocated again at the first ``reserve_fixed``. The
-        step's hold allowance is ``dense_words`` less the arena's device memory.
+        demand is known, plans each region at the most that any of the last ``DEMAND_STEPS``
+        steps that stored anything asked of it, times ``HEADROOM``, when that is above
+        ``GROW_WHEN_ABOVE`` of its size or under half of it. Both device regions together
+        take at most the fewest dense words of those steps and of the last one: where they
+        would take more, that smallest step keeps room for its own demand, and the rest goes
+        to the fixed region first (see ``_within_dense``); no buffer after a step that
+        stored nothing. The spill region's demand is the most value words less the
+        value region's device part, capped at this device's share of ``SPILL_SHARE_OF_HOST``
+        of the host's available memory. A region that changes is released now and allocated
+        again at the first ``reserve_fixed``. The step's hold allowance is ``dense_words``
+        less the arena's device memory.
         """
         if self._leases:
             return False
         self.drain()
-        self._expected_dense_words = dense_words
+        self._expected_dense_words = dense_words or 0
         if self.growable and fixed_words is not None:
-            self._plan(fixed_words, value_words, most_value_words)
+            demand = (fixed_words, value_words, most_value_words, dense_words)
+            if fixed_words:
+                self._demands.append(demand)
+            recent = self._demands or [demand]
+            most = [max(step[i] for step in recent) for i in range(3)]  # fixed, value, most value words
+            known = [step for step in (*recent, demand) if step[3] is not None]
+            self._plan(*most, min(known, key=lambda step: step[3], default=None))
         self._update_hold_allowance()
         # Every append of the last step (measured ones too) may need a start word in this one.
         if self._appends > len(self._start_slots):
@@ -583,8 +606,10 @@ class Arena:
         fixed, values, _ = self._planned or (self._fixed_capacity, self._device_value_words, 0)
         self._hold_allowance = max(0, self._expected_dense_words - fixed - values)
 
-    def _plan(self, fixed_demand: int, values_demand: int, most_value_words: int) -> None:
-        """Plan the regions for a step's demand (in words), where it differs enough."""
+    def _plan(self, fixed_demand: int, values_demand: int, most_value_words: int, smallest: tuple | None) -> None:
+        """Plan the regions for a step's demand (in words), where it differs enough, the
+        device regions within the dense words of ``smallest``, a step's demand (see
+        ``begin_step``; None: not known)."""
 
         def planned(current: int, demand: int) -> int:
             if demand > GROW_WHEN_ABOVE * current or demand * 2 < current:
@@ -593,8 +618,12 @@ class Arena:
 
         current = self._planned or self._requested
         fixed, values = planned(current[0], fixed_demand), planned(current[1], values_demand)
+        if smallest is not None and fixed + values > smallest[3]:
+            fixed, values = _within_dense(fixed, values, smallest)
+        if not fixed:  # no buffer: the step stores nothing
+            values = 0
         spill = 0
-        if self.spills:
+        if fixed and self.spills:
             spill = max(0, most_value_words - values)
             if spill > current[2]:
                 # Shared by the processes of a host's devices (one per device, as torchrun runs them).
@@ -603,6 +632,21 @@ class Arena:
                 spill = min(spill, int(share) // WORD_BYTES)
             spill = planned(current[2], spill) if spill else 0
         plan = (fixed, values, spill)
-        if plan != self._requested:
+        if plan != current:
             self._allocate(0, 0)  # released now, allocated when first needed
             self._planned = plan
+
+
+def _within_dense(fixed: int, values: int, smallest: tuple) -> tuple[int, int]:
+    """The fixed and value words of a plan cut to take no more device memory together than
+    the tensors of the step ``smallest`` (its fixed, value, most value and dense words) take
+    dense: first that step's own demand with its headroom, then the fixed region's (every
+    stored tensor needs its part there; values can go on in the spill region), then values."""
+    own_fixed, own_values, _, dense = smallest
+    own_fixed, own_values = min(fixed, math.ceil(own_fixed * HEADROOM)), min(values, math.ceil(own_values * HEADROOM))
+    if own_fixed + own_values > dense:  # a step that shrinks by less than the headroom
+        scale = dense / (own_fixed + own_values)
+        return int(own_fixed * scale), int(own_values * scale)
+    spare = dense - own_fixed - own_values
+    more_fixed = min(fixed - own_fixed, spare)
+    return own_fixed + more_fixed, own_values + min(values - own_values, spare - more_fixed)

@@ -19,7 +19,14 @@ from helpers import assert_bitwise_equal, generator, make_input
 
 from bitsparse import TileGeometry, ValueBuffer, compress, decompress
 from bitsparse.allocator import Arena, ArenaUsage, Lease, mapped
-from bitsparse.allocator.arena import ALIGN_WORDS, GROW_WHEN_ABOVE, HEADROOM, START_SLOTS, WORD_BYTES
+from bitsparse.allocator.arena import (
+    ALIGN_WORDS,
+    DEMAND_STEPS,
+    GROW_WHEN_ABOVE,
+    HEADROOM,
+    START_SLOTS,
+    WORD_BYTES,
+)
 from bitsparse.codecs import torch_codec
 from bitsparse.compressed import compress_into
 from bitsparse.format import dtype_spec
@@ -437,6 +444,72 @@ def test_resizing_releases_the_old_buffer_before_the_new_one_is_made():
     assert old() is None  # gone before anything new is allocated
     assert arena.capacity_bytes == 0
     assert arena.reserve_fixed(1) is not None and arena.fixed_capacity_words == math.ceil(HEADROOM * 100_000)
+
+
+def run_step(arena: Arena, tensors: list[torch.Tensor]) -> list:
+    """Store ``tensors`` as a step does; then begin the next step with what this one asked for."""
+    store = Store(arena)
+    compressed = [store(x) for x in tensors]
+    dense_words = sum(x.numel() for x in tensors)  # float32: a word per element
+    assert arena.begin_step(*demand(arena), dense_words)
+    return compressed
+
+
+def test_steps_of_two_sizes_in_turn_each_find_room():
+    # A step of 12 tensors, then one of 3, in turn (two models trained by turns, a longer
+    # batch every other step): sized for the last step alone, the arena would have room for
+    # 3 tensors of the next step of 12.
+    arena = Arena("cpu")
+    big = [relu_like(4096, 0.9, i) for i in range(12)]
+    small = big[:3]
+    run_step(arena, big)
+    run_step(arena, small)
+    for _ in range(2):
+        for tensors in (big, small):
+            compressed = run_step(arena, tensors)
+            assert_all_fit_exactly(compressed, tensors)
+    assert arena.fixed_capacity_words == math.ceil(HEADROOM * 12 * fixed_words(4096))
+
+
+def test_the_device_regions_never_take_more_than_the_smallest_recent_step_dense():
+    # At 50% zeros the big step's tensors need more room than the small step's take dense:
+    # the arena holds no more than that, so that the small step is no worse off with it, and
+    # keeps room for the small step's own tensors.
+    arena = Arena("cpu")
+    big = [relu_like(4096, 0.5, i) for i in range(12)]
+    small = big[:3]
+    small_dense_words = 3 * 4096
+    run_step(arena, big)
+    for tensors in (small, big, small, big):
+        run_step(arena, tensors)
+        assert arena.reserve_fixed(0) is not None
+        assert arena.fixed_capacity_words + arena.device_value_words <= small_dense_words
+        assert arena.fixed_capacity_words > 3 * fixed_words(4096) and arena.device_value_words > 3 * 2048
+    assert_all_fit_exactly(run_step(arena, small), small)
+    assert sum(c.fits() for c in run_step(arena, big) if c is not None) > 3
+
+
+def test_the_arena_shrinks_once_a_smaller_demand_lasted_demand_steps():
+    arena = Arena("cpu")
+    big = [relu_like(4096, 0.9, i) for i in range(12)]
+    small = big[:4]  # under half the big step's demand, and more than it dense
+    run_step(arena, big)
+    for step in range(1, DEMAND_STEPS + 1):
+        run_step(arena, small)
+        arena.reserve_fixed(0)
+        shrunk = arena.fixed_capacity_words < 12 * fixed_words(4096)
+        assert shrunk == (step == DEMAND_STEPS), step
+
+
+def test_a_step_that_stores_nothing_releases_the_buffer_and_is_forgotten():
+    arena = Arena("cpu")
+    tensors = [relu_like(4096, 0.5, i) for i in range(4)]
+    run_step(arena, tensors)
+    assert arena.begin_step(0, 0, 0)  # after a step whose every save site stopped paying
+    assert arena.reserve_fixed(1) is None and arena.capacity_bytes == 0
+    run_step(arena, tensors)  # measured only: the arena was released
+    # Sized for the steps that stored: the one that stored nothing does not count.
+    assert_all_fit_exactly(run_step(arena, tensors), tensors)
 
 
 def test_not_growable_never_resizes():

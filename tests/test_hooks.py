@@ -1601,6 +1601,28 @@ def test_the_first_step_only_measures_and_the_second_has_room_for_it():
     assert second.arena_reserved == third.arena_reserved
 
 
+@pytest.mark.parametrize("shift", [2.0, 0.0], ids=["90%_zeros", "50%_zeros"])
+def test_batches_of_two_sizes_in_turn(shift):
+    # A batch of 512 rows, then one of 64, in turn (two models trained by turns, or lengths
+    # that differ from step to step). With 90% zeros every step stores every ReLU output once
+    # both sizes were seen; at 50% the big step's tensors need more room than the small step's
+    # take dense. Either way no step holds more with the arena than without it.
+    model = mlp()
+    with torch.no_grad():
+        model[0].bias -= shift
+        model[2].bias -= shift
+    inputs = [mlp_input(batch=512), mlp_input(batch=64)]
+    expected = [train_step(model, x, contextlib.nullcontext()) for x in inputs]
+    for step in range(6):
+        got = train_step(model, inputs[step % 2], bitsparse.compressing(min_numel=MIN_NUMEL))
+        assert_same_grads(got, expected[step % 2])
+        s = bitsparse.stats()
+        if step >= 2:
+            assert s.arena_reserved <= s.dense_bytes + 4096, str(s)  # the arena's counters and start words
+            if shift:
+                assert s.tensors_compressed == 2 and s.fallbacks == {}, str(s)
+
+
 def test_new_options_keep_the_one_arena_and_its_size():
     model, x = mlp(), mlp_input()
     expected = train_step(model, x, contextlib.nullcontext())
