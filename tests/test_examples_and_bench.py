@@ -72,14 +72,14 @@ def test_training_suites_quick(tmp_path, suite, size_key):
     assert min(sparse) > 3
 
 
-def test_compiled_modes_run_compiled_at_every_size(tmp_path, monkeypatch):
+def test_compiled_modes_run_compiled_at_every_size(tmp_path):
     # Past its recompile limit dynamo runs a function eagerly, which the bench turns into an
     # error. Each size compiles 4 graphs (two modes, with and without deterministic kernels),
     # so with a limit of 4 two sizes pass only if each starts afresh.
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 4)
     modes = ["compiled-dense", "compiled-bitsparse"]
-    bench(["gpt", "--quick", "--zeros", "0.9", "--repeats", "1", "--warmup", "1", "--modes", *modes,
-           "--out", str(tmp_path)])  # fmt: skip
+    with torch._dynamo.config.patch(recompile_limit=4):
+        bench(["gpt", "--quick", "--zeros", "0.9", "--repeats", "1", "--warmup", "1", "--modes", *modes,
+               "--out", str(tmp_path)])  # fmt: skip
     rows = read_csv(tmp_path / "gpt.csv")
     assert {r["mode"] for r in rows} == set(modes) and len({r["T"] for r in rows}) == 2
     assert all(r["grads_equal_dense"] == "True" for r in rows)
