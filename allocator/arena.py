@@ -558,9 +558,9 @@ class Arena:
             demand = (fixed_words, value_words, most_value_words, dense_words)
             if fixed_words:
                 self._demands.append(demand)
-            recent = self._demands or [demand]
-            most = [max(step[i] for step in recent) for i in range(3)]  # fixed, value, most value words
-            known = [step for step in (*recent, demand) if step[3] is not None]
+            steps = self._demands if fixed_words else (*self._demands, demand)
+            most = [max(step[i] for step in steps) for i in range(3)]  # fixed, value, most value words
+            known = [step for step in steps if step[3] is not None]
             self._plan(*most, min(known, key=lambda step: step[3], default=None))
         self._update_hold_allowance()
         # Every append of the last step (measured ones too) may need a start word in this one.
