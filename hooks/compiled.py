@@ -249,12 +249,14 @@ def _padded_by_inductor(graph: torch.fx.Graph, value: torch.Tensor, stride: tupl
 
 def _compiled_for_gpu(graph: torch.fx.Graph) -> bool:
     """Whether a graph input is on a GPU, which turns inductor's padding on (see
-    ``torch._inductor.config.disable_padding_cpu``)."""
-    for placeholder in graph.find_nodes(op="placeholder"):
-        value = placeholder.meta.get("val")
-        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-            return True
-    return False
+    ``torch._inductor.config.disable_padding_cpu``); worked out once per graph, as
+    ``_channels_last_nodes``."""
+    cached = graph.__dict__.get("_bitsparse_for_gpu")
+    if cached is None:
+        values = (placeholder.meta.get("val") for placeholder in graph.find_nodes(op="placeholder"))
+        cached = any(isinstance(value, torch.Tensor) and value.device.type != "cpu" for value in values)
+        graph.__dict__["_bitsparse_for_gpu"] = cached
+    return cached
 
 
 def _channels_last_nodes(graph: torch.fx.Graph) -> frozenset:

@@ -61,12 +61,16 @@ def deterministic_kernels():
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
 
 
-def max_memory_allocated() -> int:
-    """The CUDA peak of allocated memory since the last reset, plus the device memory of a
-    BitSparse arena mapped outside PyTorch's caching allocator (``Options.host_spill``),
-    which that peak leaves out."""
+def arena_outside_allocator() -> int:
+    """The device memory of a BitSparse arena mapped outside PyTorch's caching allocator
+    (``Options.host_spill``), which ``torch.cuda.max_memory_allocated()`` leaves out."""
     stats = bitsparse.stats()
-    return torch.cuda.max_memory_allocated() + (stats.arena_reserved if stats.spill_reserved else 0)
+    return stats.arena_reserved if stats.spill_reserved else 0
+
+
+def max_memory_allocated() -> int:
+    """The CUDA peak of allocated memory since the last reset, plus ``arena_outside_allocator``."""
+    return torch.cuda.max_memory_allocated() + arena_outside_allocator()
 
 
 def bitsparse_options(args: argparse.Namespace) -> dict:
@@ -201,14 +205,19 @@ def compare_modes(
         for mode in modes:
             model.zero_grad(set_to_none=False)
             device_sync()
-            arena = bitsparse.stats().arena_reserved if "bitsparse" in mode else 0
+            # The arena counts whole. Allocated by PyTorch before the step, it is in `base`; mapped
+            # outside PyTorch, the peak leaves it out, and the arena the step ends with counts (a
+            # step maps the arena that the step before it planned).
+            uses_arena = "bitsparse" in mode
+            allocated_arena = bitsparse.stats().arena_reserved - arena_outside_allocator() if uses_arena else 0
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
             step(mode)
             device_sync()
             if cuda:
-                memory[mode] = torch.cuda.max_memory_allocated() - base + arena
+                mapped_arena = arena_outside_allocator() if uses_arena else 0
+                memory[mode] = torch.cuda.max_memory_allocated() - base + allocated_arena + mapped_arena
             grads[mode] = _grads(model)
             if "bitsparse" in mode:
                 ratios[mode] = bitsparse.stats().ratio
