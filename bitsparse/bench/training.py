@@ -219,7 +219,7 @@ def compare_modes(
                 mapped_arena = arena_outside_allocator() if uses_arena else 0
                 memory[mode] = torch.cuda.max_memory_allocated() - base + allocated_arena + mapped_arena
             grads[mode] = _grads(model)
-            if "bitsparse" in mode:
+            if uses_arena:
                 ratios[mode] = bitsparse.stats().ratio
 
     times: dict[str, list[float]] = {mode: [] for mode in modes}
