@@ -55,9 +55,9 @@ def test_triton_kernel_compiled_matches_eager(dynamic):
     pytest.importorskip("bitsparse.bench.cross_entropy_triton")
     # Inductor analyses what a user's Triton kernel writes, and where the analysis fails it
     # logs a warning and takes every argument to be written.
-    warnings = []
+    logged = []
     handler = logging.Handler(logging.WARNING)
-    handler.emit = warnings.append
+    handler.emit = logged.append
     analysis_log = logging.getLogger("torch._higher_order_ops.triton_kernel_wrap")
     analysis_log.addHandler(handler)
     torch._dynamo.reset()
@@ -76,4 +76,4 @@ def test_triton_kernel_compiled_matches_eager(dynamic):
                 torch.testing.assert_close(from_compiled, eager, rtol=1e-5, atol=1e-6)
     finally:
         analysis_log.removeHandler(handler)
-    assert [record.getMessage() for record in warnings] == []
+    assert [record.getMessage() for record in logged] == []

@@ -11,8 +11,9 @@ import triton.language as tl
 def _kernel(logits_ptr, targets_ptr, losses_ptr, vocab, row_stride, rows, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     # The mean's 1/rows, divided here: under torch.compile(dynamic=True) the row count is
-    # symbolic, and a symbolic float is not a valid kernel argument. Added to a float32 zero,
-    # as ``rows`` may be a Python int here (specialized: Triton's for a row, inductor's analysis).
+    # symbolic, and a symbolic float is not a valid kernel argument. ``rows`` may be a Python
+    # int here (Triton makes a 1 a constant, and inductor's analysis of what the kernel writes
+    # saw an int), which has no ``.to``: it is added to a float32 zero instead.
     inv_rows = tl.div_rn(1.0, tl.zeros([], tl.float32) + rows)
     logits = logits_ptr + row * row_stride
     # Online softmax: the running maximum and the sum of exponentials relative to it.
