@@ -525,7 +525,7 @@ class Session:
         # store, or steps of several threads interleaved) keeps its size.
         demand = dict.fromkeys(self._arenas.values(), (None, None, 0, 0))
         by_name: dict = {}  # several Site objects may share a name (strides, options)
-        for site, (arena, dense_bytes, fixed_words, value_words, most_words) in self._collector.account()[0].items():
+        for site, (arena, dense_bytes, fixed_words, value_words, most_words) in self._collector.demand().items():
             totals = by_name.setdefault(site.name, [arena, 0, 0, 0, 0])
             totals[1] += dense_bytes
             totals[2] += fixed_words

@@ -104,8 +104,9 @@ class Stored:
 
 class StepCollector:
     """Counters of one step, filled in by packs; what its appends took is read from the
-    arenas at its end (``account``): per save site (a ``Site``: keyed by the object, whose
-    hash costs less than its name's), what pays and what the next step needs."""
+    arenas at its end: per save site (``demand``; a ``Site``, keyed by the object, whose hash
+    costs less than its name's), what pays and what the next step needs, and what the step
+    stored (``stored``)."""
 
     def __init__(self, step: int):
         self.stats = Stats(step=step)
@@ -124,8 +125,8 @@ class StepCollector:
         fit): only then do stores poll the arenas' reports."""
         self.appends: list[tuple] = []
         """``(arena, number, site, stored)`` per append of the step (``Arena.submit``'s number;
-        ``stored``: compressed, not only measured), read by ``account``: what the step
-        compressed is counted from them once, at its end, not at each store."""
+        ``stored``: compressed, not only measured), read by ``demand`` and ``stored``: what
+        the step compressed is counted from them once, at its end, not at each store."""
 
     def nonzeros_counter(self, arena) -> torch.Tensor:
         """The device counter the encoders of this step add their stored elements to, for
@@ -135,25 +136,33 @@ class StepCollector:
             counter = self.nonzeros[arena] = torch.zeros(1, dtype=torch.int64, device=arena.device)
         return counter
 
-    def account(self) -> tuple[dict, Stored]:
-        """What the step's appends took, once the arenas delivered their ends (``drain``):
-        per save site (a ``hooks.handles.Site``), ``[arena, dense bytes, fixed words, value
-        words, most value words]``, with measured tensors; and what the stored ones took."""
+    def demand(self) -> dict:
+        """What the step's appends took, once the arenas delivered their ends (``drain``), per
+        save site (a ``hooks.handles.Site``), measured tensors included: ``[arena, dense bytes,
+        fixed words, value words, most value words]``. Read at every step's start: only these
+        sums (``stored`` is the statistics' own)."""
         sites: dict[object, list] = {}
-        stored = Stored()
-        for arena, number, site, compressed in self.appends:
+        for arena, number, site, _ in self.appends:
             ends = arena.ends()
-            start, end = ends[number - 1] if number else 0, ends[number]
+            words = ends[number] - (ends[number - 1] if number else 0)
             totals = sites.get(site)
             if totals is None:
-                sites[site] = [arena, site.dense_bytes, site.fixed_words, end - start, site.max_value_words]
+                sites[site] = [arena, site.dense_bytes, site.fixed_words, words, site.max_value_words]
             else:
                 totals[1] += site.dense_bytes
                 totals[2] += site.fixed_words
-                totals[3] += end - start
+                totals[3] += words
                 totals[4] += site.max_value_words
+        return sites
+
+    def stored(self) -> Stored:
+        """What the step's compressed tensors took, once the arenas delivered their ends."""
+        stored = Stored()
+        for arena, number, site, compressed in self.appends:
             if not compressed:
                 continue
+            ends = arena.ends()
+            start, end = ends[number - 1] if number else 0, ends[number]
             stored.tensors += 1
             stored.dense_bytes += site.dense_bytes
             stored.numel += site.numel
@@ -163,7 +172,7 @@ class StepCollector:
             else:
                 stored.bytes += site.dense_bytes
                 stored.unfit += 1
-        return sites, stored
+        return stored
 
     def finish(self, tensors_alive: int, arena_reserved: int, spill_reserved: int) -> Stats:
         """The step's statistics; synchronizes once to read the device counters.
@@ -175,7 +184,7 @@ class StepCollector:
         for arena in arenas:
             arena.drain()
         s = copy.copy(self.stats)
-        _, stored = self.account()
+        stored = self.stored()
         s.tensors_compressed = stored.tensors
         s.dense_bytes += stored.dense_bytes
         s.stored_bytes += stored.bytes
