@@ -61,16 +61,16 @@ def deterministic_kernels():
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
 
 
-def arena_outside_allocator() -> int:
-    """The device memory of a BitSparse arena mapped outside PyTorch's caching allocator
-    (``Options.host_spill``), which ``torch.cuda.max_memory_allocated()`` leaves out."""
-    stats = bitsparse.stats()
+def arena_outside_allocator(stats: bitsparse.Stats) -> int:
+    """The device memory of a BitSparse arena that ``stats`` describe, where it is mapped
+    outside PyTorch's caching allocator (``Options.host_spill``), which
+    ``torch.cuda.max_memory_allocated()`` leaves out; 0 where the allocator holds it."""
     return stats.arena_reserved if stats.spill_reserved else 0
 
 
 def max_memory_allocated() -> int:
     """The CUDA peak of allocated memory since the last reset, plus ``arena_outside_allocator``."""
-    return torch.cuda.max_memory_allocated() + arena_outside_allocator()
+    return torch.cuda.max_memory_allocated() + arena_outside_allocator(bitsparse.stats())
 
 
 def bitsparse_options(args: argparse.Namespace) -> dict:
@@ -209,18 +209,20 @@ def compare_modes(
             # outside PyTorch, the peak leaves it out, and the arena the step ends with counts (a
             # step maps the arena that the step before it planned).
             uses_arena = "bitsparse" in mode
-            allocated_arena = bitsparse.stats().arena_reserved - arena_outside_allocator() if uses_arena else 0
+            before = bitsparse.stats() if uses_arena else None
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
             step(mode)
             device_sync()
-            if cuda:
-                mapped_arena = arena_outside_allocator() if uses_arena else 0
-                memory[mode] = torch.cuda.max_memory_allocated() - base + allocated_arena + mapped_arena
-            grads[mode] = _grads(model)
+            arena = 0
             if uses_arena:
-                ratios[mode] = bitsparse.stats().ratio
+                after = bitsparse.stats()
+                ratios[mode] = after.ratio
+                arena = before.arena_reserved - arena_outside_allocator(before) + arena_outside_allocator(after)
+            if cuda:
+                memory[mode] = torch.cuda.max_memory_allocated() - base + arena
+            grads[mode] = _grads(model)
 
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     forward_host: dict[str, list[float]] = {mode: [] for mode in modes}
