@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 
 from bitsparse.codecs import Codec, relu
-from bitsparse.compressed import ValueBuffer
-from bitsparse.format import TileGeometry, dtype_spec
+from bitsparse.compressed import MAX_NUMEL, ValueBuffer
+from bitsparse.format import SUPPORTED_DTYPES, TileGeometry, dtype_spec
 from bitsparse.hooks.spans import span_end
 
 
@@ -51,12 +51,12 @@ class Handle:
         self._saved: weakref.ref | None = None
         self._saved_version = 0
 
-    def watch(self, t: torch.Tensor, version: int) -> None:
-        """Remember (weakly) the saved tensor ``t`` and its ``version``, for unpack to check.
-        A handle serving several slots watches the first: the others are ``t`` or views of
-        it, which share its version counter."""
+    def watch(self, saved: weakref.ref, version: int) -> None:
+        """Remember the saved tensor that ``saved`` refers to, and its ``version``, for unpack
+        to check. A handle serving several slots watches the first: the others are that
+        tensor or views of it, which share its version counter."""
         if self._saved is None:
-            self._saved, self._saved_version = weakref.ref(t), version
+            self._saved, self._saved_version = saved, version
 
     def watches(self, t: torch.Tensor) -> bool:
         """Whether this handle watches ``t`` itself, at ``t``'s current version."""
@@ -94,11 +94,13 @@ class Site:
     takes, worked out once at its first tensor: every step stores the same tensors again.
 
     ``name`` is what the session learns about (whether the site pays). Tensors are compressed
-    in their memory order (``order``, see ``memory_order``; None when no permutation makes
-    them contiguous, so they are kept as they are), so that they are restored with their own
-    strides. ``encode`` and ``decode`` are the codec prepared for the arena's value buffer
-    ``values`` (``prepare``), and ``forget_buffer`` drops them when the arena changes its
-    buffer, so that nothing here keeps an old one alive.
+    in their memory order (``order``, see ``memory_order``), so that they are restored with
+    their own strides. ``kept`` says why the site's tensors are kept as they are, if they are:
+    a dtype the format does not store, too many elements for one append, strides that no
+    permutation makes contiguous, or a site the session learned does not pay (``learn``).
+    ``encode`` and ``decode`` are the codec prepared for the arena's value buffer ``values``
+    (``prepare``), and ``forget_buffer`` drops them when the arena changes its buffer, so that
+    nothing here keeps an old one alive.
 
     A site of ``relu_inputs`` (a compiled graph's, see ``hooks/compiled.py``) is given the
     inputs of a ReLU: what it stores and restores is their ReLU, and storing one writes that
@@ -109,7 +111,7 @@ class Site:
         "name", "shape", "stride", "dtype", "device", "order", "stored_shape", "numel", "dense_bytes", "dense_words",
         "spec",
         "fixed_words", "max_value_words", "codec", "sign_pack", "relu_inputs", "values", "encode", "decode",
-        "unprofitable", "arena", "arena_options",
+        "kept", "arena", "arena_options",
     )  # fmt: skip
 
     def __init__(
@@ -118,20 +120,33 @@ class Site:
         self.name = name
         self.relu_inputs = relu_inputs
         self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
-        self.order = memory_order(t)
-        self.stored_shape = t.permute(self.order).shape if self.order else t.shape
         self.numel = t.numel()
         self.dense_bytes = self.numel * t.element_size()
         self.dense_words = -(-self.dense_bytes // 4)
-        self.spec = dtype_spec(t.dtype)
-        self.fixed_words = geometry.fixed_nbytes(self.numel) // 4
-        self.max_value_words = geometry.max_stream_words(self.numel, self.spec.bits)
+        self.order = memory_order(t)
         self.codec, self.sign_pack = codec, sign_pack
-        self.unprofitable = False
-        """Whether the session learned that tensors of this name do not pay (it sets this)."""
         self.arena = self.arena_options = None
         """The arena the session stores this site's tensors in, and the options it is for."""
         self.forget_buffer()
+        self.kept: str | None = None
+        """Why the site's tensors are kept as they are (a reason of ``Stats.tensors_skipped``),
+        or None: they are stored."""
+        if t.dtype not in SUPPORTED_DTYPES:
+            self.kept = "dtype"
+            return  # nothing of the format applies
+        if self.numel > MAX_NUMEL:
+            self.kept = "large"
+        elif self.order is None:
+            self.kept = "overlapping_or_gapped"
+        self.stored_shape = t.permute(self.order).shape if self.order else t.shape
+        self.spec = dtype_spec(t.dtype)
+        self.fixed_words = geometry.fixed_nbytes(self.numel) // 4
+        self.max_value_words = geometry.max_stream_words(self.numel, self.spec.bits)
+
+    def learn(self, unprofitable: bool) -> None:
+        """Take what the session learned of the site's name: whether its tensors pay."""
+        if self.kept is None or self.kept == "unprofitable_site":
+            self.kept = "unprofitable_site" if unprofitable else None
 
     def prepare(self, values: ValueBuffer, geometry: TileGeometry, report: bool) -> None:
         """Prepare the codec to append to ``values`` (with report words when ``report``)."""

@@ -20,8 +20,7 @@ import torch
 
 from bitsparse.allocator import Arena, Lease
 from bitsparse.codecs import get_codec
-from bitsparse.compressed import MAX_NUMEL
-from bitsparse.format import SUPPORTED_DTYPES, TileGeometry
+from bitsparse.format import TileGeometry
 from bitsparse.hooks.exactness import ExactnessChecks
 from bitsparse.hooks.handles import Handle, Recomputed, Site, SquareOf, StoredTensor, ViewOf, check_version
 from bitsparse.hooks.options import Options
@@ -69,8 +68,7 @@ class Session:
         self._warned_stale = False
         self._stored = SpanIndex()
         """The step's stored tensors by span, to store a storage saved again only once."""
-        # node_key(grad_fn, output_nr) -> (handle ref, shape, stride, offset, dtype): see
-        # _note_source.
+        # node_key(grad_fn, output_nr) -> (handle ref, site, offset): see _note_source.
         self._sources: dict[tuple, tuple] = {}
         # id(saved tensor) -> slot ref: the tensors packed this step (the slot watches the
         # tensor it was made for, see Handle.watch).
@@ -163,12 +161,8 @@ class Session:
         """``pack`` for a tensor past the rule's screen (``node`` is its base's autograd node,
         ``provenance`` what ``classify_node`` says of it): stored, found stored, or kept where
         it cannot be."""
-        if t.dtype not in SUPPORTED_DTYPES:
-            return self._kept(t, node, "dtype")
         if t.layout != torch.strided or not (t.is_cuda or t.is_cpu):
             return self._kept(t, node, "layout_or_device")
-        if t.numel() > MAX_NUMEL:
-            return self._kept(t, node, "large")
         with self._lock:
             # Within a forward that stored a tensor, neither holds: no call (host time).
             if (self._backward_seen or not self._live) and self._step_over():
@@ -184,9 +178,8 @@ class Session:
                 slot.slots += 1
                 return slot
             site = self._site(options, t, node, options.sign_pack and provenance is not None)
-            if site.unprofitable or site.order is None:
-                reason = "unprofitable_site" if site.order is not None else "overlapping_or_gapped"
-                collector.skipped[reason] += 1
+            if site.kept is not None:
+                collector.skipped[site.kept] += 1
                 return (t if node is None else t.detach()), t._version
             stats.tensors_seen += 1
             if collector.holds:  # confirmed tensors release their dense copy here, during the forward
@@ -200,18 +193,22 @@ class Session:
                 found = self._recompute(t)
                 if found is not None:
                     stats.tensors_recomputed += 1
-            base = t._base
+            # Each object is referred to once, for every table (host time).
+            base, saved = t._base, weakref.ref(t)
             if found is None:
                 found = slot = self._store(options, t, site)
+                found_ref = slot_ref = weakref.ref(slot)
                 slot.slots += 1  # it restores t itself, whatever t's strides
                 if contiguous:  # a later save of its storage (or a view of it) finds it
-                    self._stored.add(span, slot, t if base is None else base)
+                    self._stored.add(span, slot_ref, saved if base is None else weakref.ref(base))
             else:
                 slot = self._slot(found, t)
+                found_ref = weakref.ref(found)
+                slot_ref = found_ref if slot is found else weakref.ref(slot)
             if contiguous:
-                self._note_source(node if base is None else t.grad_fn, t.output_nr, site, span[1], found)
-            slot.watch(t, span[4])
-            self._packed[id(t)] = weakref.ref(slot)
+                self._note_source(node if base is None else t.grad_fn, t.output_nr, site, span[1], found_ref)
+            slot.watch(saved, span[4])
+            self._packed[id(t)] = slot_ref
             return slot
 
     def _kept(self, t: torch.Tensor, node, reason: str) -> tuple[torch.Tensor, int]:
@@ -248,8 +245,8 @@ class Session:
                 self._begin_step()
             collector = self._collector
             site = self._site(options, t, name, options.sign_pack, relu_inputs=square is not None)
-            if site.unprofitable or site.order is None:
-                collector.skipped["unprofitable_site" if site.order is not None else "overlapping_or_gapped"] += 1
+            if site.kept is not None:
+                collector.skipped[site.kept] += 1
                 self._square_alone(site, t, square)
                 handle = StoredTensor(t, site)
             else:
@@ -309,14 +306,14 @@ class Session:
         """The save site of ``t``, whose producer is the autograd node ``producer`` (or the
         name a compiled graph gives the site, which may give it the inputs of a ReLU: see
         ``Site``)."""
-        base = t._base
-        device = t.get_device()  # the device's index (-1: the CPU) costs less host time than the device
+        shape, device = t.shape, t.get_device()  # the device's index (-1: the CPU) costs less host time
         if isinstance(producer, str):
-            key = (producer, t.shape, t.stride(), t.dtype, device, options.backend, sign_pack, relu_inputs)
+            key = (producer, shape, t.stride(), t.dtype, device, options.backend, sign_pack, relu_inputs)
         else:
             # All views of one tensor share their site's name.
-            base_shape = t.shape if base is None else base.shape
-            key = (producer.__class__, base_shape, t.shape, t.stride(), t.dtype, device, options.backend, sign_pack)
+            base = t._base
+            base_shape = shape if base is None else base.shape
+            key = (producer.__class__, base_shape, shape, t.stride(), t.dtype, device, options.backend, sign_pack)
         site = self._sites.get(key)
         if site is None:
             if len(self._sites) >= MAX_SITES:  # shapes that change at every step
@@ -326,7 +323,7 @@ class Session:
             )
             codec = get_codec(options.backend, t.device)
             site = self._sites[key] = Site(name, t, codec, sign_pack, self._geometry, relu_inputs)
-            site.unprofitable = name in self._unprofitable
+            site.learn(name in self._unprofitable)
         return site
 
     # -- storing ----------------------------------------------------------------------------
@@ -444,7 +441,8 @@ class Session:
         handle = source[0]() if source is not None else None
         if handle is None:
             return None
-        _, shape, stride, offset, dtype = source
+        _, site, offset = source
+        shape, stride, dtype = site.shape, site.stride, site.dtype
         # The square of a contiguous tensor is a new contiguous tensor of its shape and dtype
         # (under autocast, pow may return float32 of a bfloat16 input: stored instead).
         if result.shape != shape or result.dtype != dtype or result.storage_offset() != 0 or not result.is_contiguous():
@@ -460,17 +458,16 @@ class Session:
             recomputed = SquareOf(handle, square, result)  # decoded with its source, in one pass
         else:
             recomputed = Recomputed(ViewOf(handle, shape, stride, offset), square, result)
-        self._stored.add(span_of(result), recomputed, result)
+        self._stored.add(span_of(result), weakref.ref(recomputed), weakref.ref(result))
         return recomputed
 
-    def _note_source(self, node, output_nr: int, site: Site, offset: int, handle: Handle) -> None:
-        """Note that ``handle`` restores a contiguous tensor of ``site`` at ``offset`` in its
-        storage, output ``output_nr`` of the autograd node ``node``, under that autograd
-        identity, for a square of it to find (last write wins: a tensor modified in place is
-        packed again before it is squared)."""
+    def _note_source(self, node, output_nr: int, site: Site, offset: int, handle: weakref.ref) -> None:
+        """Note that the handle ``handle`` refers to restores a contiguous tensor of ``site``
+        at ``offset`` in its storage, output ``output_nr`` of the autograd node ``node``, under
+        that autograd identity, for a square of it to find (last write wins: a tensor modified
+        in place is packed again before it is squared)."""
         if node is not None:
-            key = node_key(node, output_nr)
-            self._sources[key] = (weakref.ref(handle), site.shape, site.stride, offset, site.dtype)
+            self._sources[node_key(node, output_nr)] = (handle, site, offset)
 
     @staticmethod
     def _slot(handle: Handle, t: torch.Tensor) -> Handle:
@@ -545,7 +542,7 @@ class Session:
                 demand[arena] = (fixed + fixed_words, values + value_words, dense + dense_bytes // 4, most + most_words)
         if learned:
             for site in self._sites.values():
-                site.unprofitable = site.name in self._unprofitable
+                site.learn(site.name in self._unprofitable)
         self._stale_arenas = False
         for arena, (fixed_words, value_words, dense_words, most_words) in demand.items():
             values = arena.values

@@ -23,6 +23,7 @@ import enum
 import itertools
 import operator
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -297,7 +298,7 @@ class Marks:
         with self._lock:
             if len(self._spans) > MAX_MARKED_STORAGES:
                 self._spans.prune()
-            storage = t.untyped_storage()
+            storage = weakref.ref(t.untyped_storage())
             self._spans.add(span_of(t), storage, storage)
             self.any = True
 

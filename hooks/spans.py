@@ -48,11 +48,13 @@ class SpanIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, span: tuple, value: object, owner: object) -> None:
-        """Record ``value`` for ``span`` (``span_of`` a tensor) for as long as ``owner`` lives:
-        the storage, or a tensor over it (which costs less host time to refer to)."""
+    def add(self, span: tuple, value: weakref.ref, owner: weakref.ref) -> None:
+        """Record the object ``value`` refers to for ``span`` (``span_of`` a tensor) for as
+        long as the one ``owner`` refers to lives: the storage, or a tensor over it (which
+        costs less host time to refer to). References, which the callers share with their
+        other tables (host time)."""
         address, start, end, dtype, version = span
-        entry = (weakref.ref(owner), weakref.ref(value), start, end, dtype, version)
+        entry = (owner, value, start, end, dtype, version)
         entries = self._entries.get(address)
         # Live owners at one address share its storage: live storages do not overlap.
         if entries is None or entries[0][0]() is None:

@@ -828,6 +828,8 @@ def test_the_first_screen_decides_as_pack_does(select):
         "tanh cast": (tanh.bfloat16(), False, "not_relu_family"),
         "relu": (torch.relu(x), False, None),
         "relu cast": (torch.relu(x).bfloat16(), False, None),
+        "relu float64": (torch.relu(x.double()), False, "dtype"),
+        "relu broadcast": (torch.relu(x)[:, :1].expand(64, 64), False, "overlapping_or_gapped"),
         "marked": (torch.relu(torch.randn(64, 64)), True, None),
     }
     for name, (t, marked, reason) in cases.items():
@@ -1252,8 +1254,9 @@ def test_a_spilling_arena_is_sure_of_every_tensor_when_the_gpu_lags_far_behind(
 def test_the_span_index_finds_live_spans_and_forgets_freed_owners():
     index, first, second = SpanIndex(), handles.Handle(), handles.Handle()
     a = torch.zeros(4096)
-    index.add(span_of(a[:1024]), first, a)
-    index.add(span_of(a[2048:]), second, a)
+    owner = weakref.ref(a)
+    index.add(span_of(a[:1024]), weakref.ref(first), owner)
+    index.add(span_of(a[2048:]), weakref.ref(second), owner)
     assert index.find(span_of(a[100:200])) is first and index.find(span_of(a[3000:])) is second
     assert index.find(span_of(a[1000:1100])) is None  # not inside one span
     assert index.find(span_of(a[100:200].view(torch.int32))) is None  # another dtype
@@ -1270,7 +1273,7 @@ def test_the_span_index_finds_live_spans_and_forgets_freed_owners():
         pytest.skip("the allocator did not reuse the address")
     assert index.find(span_of(reused[100:200])) is None and len(index) == 0
     view = reused[:10]
-    index.add(span_of(view), second, view)
+    index.add(span_of(view), weakref.ref(second), weakref.ref(view))
     assert index.find(span_of(reused[:5])) is second and len(index) == 1
     del view  # an entry lives as long as its owner, even where the storage outlives it
     assert index.find(span_of(reused[:5])) is None
