@@ -109,13 +109,15 @@ def test_compiled_relu_squared_block_saves_the_relu_and_recomputes_the_square(va
     for s in stats:
         assert (s.tensors_seen, s.tensors_compressed, s.fallbacks) == (1, 1, {}), str(s)
         assert s.dense_bytes == 4 * 16 * 128 * 4
-    (forward,) = [code for code in codes if "bitsparse.store" in code]
-    (backward,) = [code for code in codes if "bitsparse.restore" in code]
-    assert forward.count("torch.ops.bitsparse.store_relu_square.default(") == 1
-    assert "torch.ops.bitsparse.store.default(" not in forward
+    (forward,) = [code for code in codes if "bitsparse.functions.store" in code]
+    (backward,) = [code for code in codes if "bitsparse.functions.restore" in code]
+    assert forward.count("torch.ops.bitsparse.functions.store_relu_square(") == 1
+    assert "torch.ops.bitsparse.functions.store(" not in forward
     assert not re.search(r"(cpp|triton)_\w*relu", forward)
-    assert backward.count("torch.ops.bitsparse.restore_relu_square_backward.default(") == 1
-    assert "torch.ops.bitsparse.restore_into.default(" not in backward
+    assert backward.count("torch.ops.bitsparse.functions.restore_relu_square_backward(") == 1
+    assert "torch.ops.bitsparse.functions.restore_into(" not in backward
+    # The generated code calls the ops' functions, not the ops through the dispatcher.
+    assert not re.search(r"torch\.ops\.bitsparse\.\w+\.default\(", forward + backward)
 
 
 def test_compiled_transformer_stack_whole_and_per_block():
@@ -184,10 +186,10 @@ def _bitsparse_ops_among_kernels(code: str) -> str:
     """The order of a compiled graph's calls: ``S`` a store, ``R`` a restore, ``k`` a kernel
     inductor calls out to (a matrix product, or another op it does not generate)."""
     calls = {
-        "torch.ops.bitsparse.store.default(": "S",
-        "torch.ops.bitsparse.store_relu_square.default(": "S",
-        "torch.ops.bitsparse.restore_into.default(": "R",
-        "torch.ops.bitsparse.restore_relu_square_backward.default(": "R",
+        "torch.ops.bitsparse.functions.store(": "S",
+        "torch.ops.bitsparse.functions.store_relu_square(": "S",
+        "torch.ops.bitsparse.functions.restore_into(": "R",
+        "torch.ops.bitsparse.functions.restore_relu_square_backward(": "R",
     }
     order = []
     for line in code.splitlines():
@@ -230,7 +232,7 @@ def test_a_tensor_inductor_pads_is_kept_in_the_layout_the_backward_reads(hidden,
     def relu_row_stride(code: str) -> int:
         """The row stride of the ReLU output the backward reads: the saved tensor's, or that
         of the buffer it is restored into."""
-        (buffer,) = re.findall(r"bitsparse\.restore_into\.default\(\w+, (\w+)\)", code) or [r"relu\w*"]
+        (buffer,) = re.findall(r"bitsparse\.functions\.restore_into\(\w+, (\w+)\)", code) or [r"relu\w*"]
         (stride,) = re.findall(rf"\b{buffer}(?: = empty_strided_cpu\(|, )\(256, {hidden}\), \((\d+), 1\)", code)
         return int(stride)
 
@@ -347,7 +349,7 @@ def test_compiled_arena_that_is_full_stays_exact(relu_squares):
     steps = []
     codes = _generated_code(lambda: steps.append(compiled_steps(model, x, capacity=4096)))
     ((stats, _, _),) = steps
-    fused = sum(code.count("bitsparse.restore_relu_square_backward.default(") for code in codes)
+    fused = sum(code.count("bitsparse.functions.restore_relu_square_backward(") for code in codes)
     assert fused == (3 if relu_squares else 0)  # one per block
     assert stats[0].fallbacks.get("arena_full", 0) > 0
     assert stats[-1].fallbacks == {} and stats[-1].tensors_compressed == (3 if relu_squares else 2)
@@ -498,7 +500,7 @@ def test_graphs_compiled_under_bitsparse_reuse_buffers():
     torch._dynamo.reset()
     with bitsparse.compressing(**OPTIONS):
         steered = _generated_code(lambda: compiled(mlp_input()))
-    assert "bitsparse.store" in steered[0]
+    assert "bitsparse.functions.store" in steered[0]
     assert "# reuse" in plain[0] and "# reuse" in steered[0]
     assert (config.allow_buffer_reuse, config.inplace_buffers, config.post_grad_custom_post_pass) == settings
 
@@ -693,10 +695,10 @@ def test_a_16_bit_square_and_gradient_are_fused_only_where_matrix_products_read_
     codes = _generated_code(lambda: steps.append(compiled_steps(model, x)))
     ((stats, _, _),) = steps
     assert [s.tensors_compressed for s in stats] == [stored] * 3
-    (forward,) = [code for code in codes if "bitsparse.store" in code]
-    (backward,) = [code for code in codes if "bitsparse.restore" in code]
-    assert forward.count("bitsparse.store_relu_square.default(") == fused[0]
-    assert backward.count("bitsparse.restore_relu_square_backward.default(") == fused[1]
+    (forward,) = [code for code in codes if "bitsparse.functions.store" in code]
+    (backward,) = [code for code in codes if "bitsparse.functions.restore" in code]
+    assert forward.count("bitsparse.functions.store_relu_square(") == fused[0]
+    assert backward.count("bitsparse.functions.restore_relu_square_backward(") == fused[1]
 
 
 def check_fused_relu_square_backward(dtype: torch.dtype, device: torch.device) -> None:
@@ -724,7 +726,7 @@ def check_fused_relu_square_backward(dtype: torch.dtype, device: torch.device) -
     codes = _generated_code(
         lambda: _input_grads(compiled, x, weight, scale, context=bitsparse.compressing(**OPTIONS))
     )
-    assert sum(code.count("torch.ops.bitsparse.restore_relu_square_backward.default(") for code in codes) == 1
+    assert sum(code.count("torch.ops.bitsparse.functions.restore_relu_square_backward(") for code in codes) == 1
     for _ in range(2):
         got = _input_grads(compiled, x, weight, scale, context=bitsparse.compressing(**OPTIONS))
         for a, b in zip(got, expected):

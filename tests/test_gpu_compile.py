@@ -69,10 +69,10 @@ def test_compiled_gpt_stores_each_relu_output_where_it_squares_it():
         _, loss_fn = compiled_gpt(scope)
         with bitsparse.compressing(min_numel=1024):
             code = "".join(_generated_code(lambda: loss_fn().backward()))
-        assert code.count("torch.ops.bitsparse.store_relu_square.default(") == fused, scope
-        assert code.count("torch.ops.bitsparse.restore_into.default(") == fused, scope
-        assert "torch.ops.bitsparse.store.default(" not in code, scope
-        assert "torch.ops.bitsparse.restore_relu_square_backward.default(" not in code, scope
+        assert code.count("torch.ops.bitsparse.functions.store_relu_square(") == fused, scope
+        assert code.count("torch.ops.bitsparse.functions.restore_into(") == fused, scope
+        assert "torch.ops.bitsparse.functions.store(" not in code, scope
+        assert "torch.ops.bitsparse.functions.restore_relu_square_backward(" not in code, scope
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
@@ -92,7 +92,7 @@ def test_a_relu_square_layer_has_the_gradients_of_the_graph_without_it(bias):
     codes = _generated_code(lambda: steps.append(compiled_steps(model, x, min_numel=1024)))
     ((stats, _, _),) = steps
     assert [s.tensors_compressed for s in stats] == [1, 1, 1]
-    fused = sum(code.count("bitsparse.restore_relu_square_backward.default(") for code in codes)
+    fused = sum(code.count("bitsparse.functions.restore_relu_square_backward(") for code in codes)
     assert fused == (0 if bias else 1)
 
 
