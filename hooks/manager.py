@@ -197,15 +197,15 @@ class Session:
             base, saved = t._base, weakref.ref(t)
             if found is None:
                 found = slot = self._store(options, t, site)
-                found_ref = slot_ref = weakref.ref(slot)
+                slot_ref = weakref.ref(slot)
                 slot.slots += 1  # it restores t itself, whatever t's strides
                 if contiguous:  # a later save of its storage (or a view of it) finds it
                     self._stored.add(span, slot_ref, saved if base is None else weakref.ref(base))
             else:
                 slot = self._slot(found, t)
-                found_ref = weakref.ref(found)
-                slot_ref = found_ref if slot is found else weakref.ref(slot)
+                slot_ref = weakref.ref(slot)
             if contiguous:
+                found_ref = slot_ref if found is slot else weakref.ref(found)
                 self._note_source(node if base is None else t.grad_fn, t.output_nr, site, span[1], found_ref)
             slot.watch(saved, span[4])
             self._packed[id(t)] = slot_ref
