@@ -862,8 +862,8 @@ for _name, _function in _FUNCTIONS.items():
     _library.impl(_name, _function, "CompositeExplicitAutograd")
 
 # Inductor's Python code calls the ops' functions themselves, by this name (see
-# ``_write_direct_call``): through the dispatcher, a store took 19-20 us more host time and a
-# restore 6-7 us more, on the CI's CPU.
+# ``_write_direct_call``): through the dispatcher, a store took about 20 us more host time and
+# a restore 8-12 us more, on the CI's CPU (scripts/host_path.py --compiled).
 torch.ops.bitsparse.functions = SimpleNamespace(**_FUNCTIONS)
 
 
