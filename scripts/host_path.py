@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=80, help="interleaved rounds")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of the stored chain")
     parser.add_argument("--cold", action="store_true", help="evict the CPU's caches before every op")
-    parser.add_argument("--compiled", action="store_true", help="add the compiled chain")
+    parser.add_argument("--compiled", action="store_true", help="add the compiled chains (whole and per block)")
     args = parser.parse_args()
     codec = LaunchlessCodec()
     manager.get_codec = lambda backend, device: codec
