@@ -161,6 +161,8 @@ class Session:
         """``pack`` for a tensor past the rule's screen (``node`` is its base's autograd node,
         ``provenance`` what ``classify_node`` says of it): stored, found stored, or kept where
         it cannot be."""
+        # Not a reason of the site's (``Site.kept``): its key reads strides, which a sparse
+        # tensor lacks, and a device index, which devices of other types share.
         if t.layout != torch.strided or not (t.is_cuda or t.is_cpu):
             return self._kept(t, node, "layout_or_device")
         with self._lock:
