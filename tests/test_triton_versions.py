@@ -210,7 +210,7 @@ _IMPORT_WITH_TORCH_VERSION = textwrap.dedent(
 
 
 @pytest.mark.parametrize(
-    "version, static", [("2.10.0", False), ("2.11.0+cu130", True), ("2.13.1", True), ("2.14.0", False)]
+    "version, static", [("2.10.0", False), ("2.11.0+cu130", True), ("2.14.1+cu130", True), ("2.15.0", False)]
 )
 def test_the_static_launcher_is_used_only_on_the_pytorch_releases_read(version, static):
     result = subprocess.run(

@@ -555,10 +555,12 @@ _FAST_LAUNCH = (
     and FAST_LAUNCH_TRITON[0] <= _TRITON <= FAST_LAUNCH_TRITON[1]
 )
 
-STATIC_LAUNCH_TORCH = ((2, 11), (2, 13))
+STATIC_LAUNCH_TORCH = ((2, 11), (2, 14))
 """The PyTorch releases (first and last) whose static launcher ``_direct_launch`` calls was read
 in their sources: ``_launch_kernel(function, grid_x, grid_y, grid_z, num_warps, shared,
-arg_types, args, stream)``; other releases launch through the compiled kernel's launcher."""
+arg_types, args, stream)``, pointers given as integers, and inductor's caller of it with the
+same argument types and scratch pointers as ``_static_arg_types``; other releases launch
+through the compiled kernel's launcher."""
 _STATIC_LAUNCHER = (
     getattr(torch._C, "_StaticCudaLauncher", None)
     if STATIC_LAUNCH_TORCH[0] <= release(torch.__version__) <= STATIC_LAUNCH_TORCH[1]
