@@ -184,7 +184,7 @@ def compiled_chain(repeats: int, scope: str, blocks: int = 12, rows: int = 128) 
     for _ in range(5):
         for context in contexts.values():
             step(context)
-    step(contexts["bitsparse"])
+    step(contexts["bitsparse"])  # the statistics are the last step's: one that stores
     stored = bitsparse.stats().tensors_compressed
     samples = {mode: [] for mode in contexts}
     for _ in range(repeats):
