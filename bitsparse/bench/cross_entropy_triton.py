@@ -8,13 +8,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _kernel(logits_ptr, targets_ptr, losses_ptr, vocab, row_stride, rows, BLOCK: tl.constexpr):
+def _kernel(logits_ptr, targets_ptr, losses_ptr, vocab, row_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    # The mean's 1/rows, divided here: under torch.compile(dynamic=True) the row count is
-    # symbolic, and a symbolic float is not a valid kernel argument. ``rows`` may be a Python
-    # int here (Triton makes a 1 a constant, and inductor's analysis of what the kernel writes
-    # saw an int), which has no ``.to``: it is added to a float32 zero instead.
-    inv_rows = tl.div_rn(1.0, tl.zeros([], tl.float32) + rows)
+    # The mean's 1/rows, from the grid (a program per row) rather than an argument: under
+    # torch.compile(dynamic=True) a symbolic float is no valid kernel argument, and Triton
+    # turns an integer argument equal to 1 into a constant.
+    inv_rows = tl.div_rn(1.0, tl.num_programs(0).to(tl.float32))
     logits = logits_ptr + row * row_stride
     # Online softmax: the running maximum and the sum of exponentials relative to it.
     peak = tl.full([], float("-inf"), tl.float32)
@@ -37,4 +36,4 @@ def _kernel(logits_ptr, targets_ptr, losses_ptr, vocab, row_stride, rows, BLOCK:
 
 def loss_and_gradient_in_place(logits: torch.Tensor, targets: torch.Tensor, losses: torch.Tensor, block: int) -> None:
     rows, vocab = logits.shape
-    _kernel[(rows,)](logits, targets, losses, vocab, logits.stride(0), rows, BLOCK=block)
+    _kernel[(rows,)](logits, targets, losses, vocab, logits.stride(0), BLOCK=block)
