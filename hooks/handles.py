@@ -181,20 +181,24 @@ class StoredTensor(Handle):
     ``fixed`` and ``base`` are its masks and tile words and the word holding where its values
     start (None when it was kept dense), ``decode`` the codec that restores it, and ``lease``
     the arena's claim on what it stores, released with the handle. When ``held``, ``dense``
-    keeps the original tensor's storage (and serves unpacks) until the arena confirms that
-    the values fit, and for good if they did not (a fallback); a tensor sure to fit is not
-    held.
+    keeps the original tensor (and serves unpacks) until the arena confirms that the values
+    fit, and for good if they did not (a fallback); a tensor sure to fit is not held.
+
+    A held tensor is read only at the version it was saved at (``dense_version``): its memory
+    is the original's, which an in-place op may have changed since, even after the original
+    tensor itself was dropped. Compressed values are the saved ones whatever happens to it.
     """
 
-    __slots__ = ("site", "fixed", "base", "decode", "dense", "lease")
+    __slots__ = ("site", "fixed", "base", "decode", "dense", "dense_version", "lease")
 
     def __init__(self, dense: torch.Tensor, site: Site, fixed=None, base=None, lease=None, held: bool = True):
         super().__init__(dense.storage_offset())
         self.site, self.fixed, self.base, self.lease = site, fixed, base, lease
         self.decode = site.decode if fixed is not None else None
-        # The storage, not the tensor: a saved tensor's grad_fn may be the node that saves
-        # it, and holding it would make a reference cycle through autograd.
-        self.dense = dense.untyped_storage() if held else None
+        # Detached: a saved tensor's grad_fn may be the node that saves it, which would hold
+        # it in a reference cycle through autograd. The alias shares the version counter.
+        self.dense = dense.detach() if held else None
+        self.dense_version = dense._version
 
     def confirm(self, fits: bool) -> None:
         """Take the arena's confirmation of a held tensor: the values fit (the dense storage
@@ -207,8 +211,9 @@ class StoredTensor(Handle):
         may write over (a compiled graph's buffer, past its last use there)."""
         kept = self._kept()
         span = span_end(kept) - self.start  # the storage elements it touches, overlapping strides included
-        copy = kept.new_empty(0).set_(self.dense, self.start, (span,), (1,)).clone()
-        self.dense, self.start = copy.untyped_storage(), 0
+        storage = self.dense.untyped_storage()
+        self.dense = kept.new_empty(0).set_(storage, self.start, (span,), (1,)).clone()
+        self.dense_version, self.start = self.dense._version, 0
 
     @property
     def is_compressed(self) -> bool:
@@ -225,10 +230,16 @@ class StoredTensor(Handle):
         return out
 
     def _kept(self) -> torch.Tensor:
-        """The tensor kept dense (a ReLU's input at a site of ``relu_inputs``)."""
-        site = self.site
+        """The tensor kept dense (a ReLU's input at a site of ``relu_inputs``).
+
+        Raises:
+            RuntimeError: it was modified in place since it was saved.
+        """
+        dense, site = self.dense, self.site
+        if dense._version != self.dense_version:
+            check_version(dense, self.dense_version)
         kept = torch.empty(0, dtype=site.dtype, device=site.device)
-        return kept.set_(self.dense, self.start, site.shape, site.stride)
+        return kept.set_(dense.untyped_storage(), self.start, site.shape, site.stride)
 
     def restore_into(self, out: torch.Tensor, square=None, square_grad=None) -> None:
         """Write the restored tensor into ``out``, a tensor of the site's shape, strides and

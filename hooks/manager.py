@@ -30,8 +30,7 @@ from bitsparse.hooks.provenance import (
     Marks,
     Provenance,
     classify_node,
-    node_key,
-    squared_input,
+    squared_operand,
 )
 from bitsparse.hooks.spans import SpanIndex, span_of
 from bitsparse.hooks.stats import Stats, StepCollector
@@ -68,8 +67,6 @@ class Session:
         self._warned_stale = False
         self._stored = SpanIndex()
         """The step's stored tensors by span, to store a storage saved again only once."""
-        # node_key(grad_fn, output_nr) -> (handle ref, site, offset): see _note_source.
-        self._sources: dict[tuple, tuple] = {}
         # id(saved tensor) -> slot ref: the tensors packed this step (the slot watches the
         # tensor it was made for, see Handle.watch).
         self._packed: dict[int, weakref.ref] = {}
@@ -206,9 +203,6 @@ class Session:
             else:
                 slot = self._slot(found, t)
                 slot_ref = weakref.ref(slot)
-            if contiguous:
-                found_ref = slot_ref if found is slot else weakref.ref(found)
-                self._note_source(node if base is None else t.grad_fn, t.output_nr, site, span[1], found_ref)
             slot.watch(saved, span[4])
             self._packed[id(t)] = slot_ref
             return slot
@@ -432,44 +426,41 @@ class Session:
             )
 
     def _recompute(self, t: torch.Tensor) -> Handle | None:
-        """A handle that restores ``t`` as the square of a tensor already handled, if it is
-        one (``t`` may be a view of the square's result), with the forward's own op."""
+        """A handle that restores ``t`` as the square of a stored tensor (``t`` may be a view
+        of the square's result), with the forward's own op. The source is what the square's
+        own node saved of its input: the handle this session returned for the very values the
+        forward squared (a tensor modified in place since is packed again), never one found
+        by the input's identity, whose values may have changed before the square (under
+        ``torch.no_grad()``, say, where the square's node saved them without these hooks)."""
         result = t._base if t._base is not None else t
-        found = squared_input(result.grad_fn)
-        if found is None or found[0][0] is None:
+        squared = squared_operand(result.grad_fn)
+        if squared is None:
             return None
-        edge, square = found
-        source = self._sources.get(node_key(*edge))
-        handle = source[0]() if source is not None else None
-        if handle is None:
+        source, square = squared
+        if source.__class__ is StoredTensor:
+            stored, shape = source, source.site.shape
+        elif source.__class__ is ViewOf and source.source.__class__ is StoredTensor:
+            stored, shape = source.source, source.size
+        else:  # kept as it is, or saved without these hooks
             return None
-        _, site, offset = source
-        shape, stride, dtype = site.shape, site.stride, site.dtype
         # The square of a contiguous tensor is a new contiguous tensor of its shape and dtype
         # (under autocast, pow may return float32 of a bfloat16 input: stored instead).
+        dtype = stored.site.dtype
         if result.shape != shape or result.dtype != dtype or result.storage_offset() != 0 or not result.is_contiguous():
             return None
-        offset -= handle.start
         if (
-            isinstance(handle, StoredTensor)
-            and handle.fixed is not None
-            and offset == 0
-            and shape == handle.site.stored_shape
-            and self._exact.fused_square(handle.site.codec, dtype, result.device, square)
+            source is stored
+            and stored.fixed is not None
+            and shape == stored.site.stored_shape
+            and self._exact.fused_square(stored.site.codec, dtype, result.device, square)
         ):
-            recomputed = SquareOf(handle, square, result)  # decoded with its source, in one pass
+            recomputed = SquareOf(stored, square, result)  # decoded with its source, in one pass
         else:
-            recomputed = Recomputed(ViewOf(handle, shape, stride, offset), square, result)
+            # Through a view, which decodes the stored tensor once per backward for all its slots.
+            view = source if source is not stored else ViewOf(stored, shape, stored.site.stride, 0)
+            recomputed = Recomputed(view, square, result)
         self._stored.add(span_of(result), weakref.ref(recomputed), weakref.ref(result))
         return recomputed
-
-    def _note_source(self, node, output_nr: int, site: Site, offset: int, handle: weakref.ref) -> None:
-        """Note that the handle ``handle`` refers to restores a contiguous tensor of ``site``
-        at ``offset`` in its storage, output ``output_nr`` of the autograd node ``node``, under
-        that autograd identity, for a square of it to find (last write wins: a tensor modified
-        in place is packed again before it is squared)."""
-        if node is not None:
-            self._sources[node_key(node, output_nr)] = (handle, site, offset)
 
     @staticmethod
     def _slot(handle: Handle, t: torch.Tensor) -> Handle:
@@ -571,7 +562,6 @@ class Session:
     def _forget_saved(self) -> None:
         """Drop the lookups of what this step saved (they refer to its tensors and handles)."""
         self._stored.clear()
-        self._sources.clear()
         self._packed.clear()
 
     def stats(self) -> Stats:

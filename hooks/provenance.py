@@ -20,7 +20,6 @@ compressing a save site only while it pays. ``mark()`` flags any other tensor.
 from __future__ import annotations
 
 import enum
-import itertools
 import operator
 import threading
 import weakref
@@ -202,17 +201,21 @@ def classify_node(node) -> Provenance | None:
     return _classify(node, _Autograd)
 
 
-def squared_input(node) -> tuple[tuple, Square] | None:
-    """The ``(node, output_nr)`` edge whose value the autograd ``node`` squares, and how; or
-    None.
+def squared_operand(node) -> tuple[object, Square] | None:
+    """What the autograd ``node`` saved of the tensor it squares, and how it squared it; or
+    None if it is not a square (or squares two saved values that differ).
 
     ``torch.square``, ``** 2`` and ``pow(2)`` are ``PowBackward0`` with exponent 2; ``x * x``
-    is ``MulBackward0`` with the same edge twice.
+    is ``MulBackward0`` with the same edge twice. The saved value is read as the pack hook
+    returned it, without unpacking it (which would decode): under BitSparse's hooks, the
+    handle of the very values the forward squared.
     """
     if node is None or _Autograd.kind(node) != SQUARE:
         return None
-    square = Square(None) if type(node).__name__ == "MulBackward0" else Square(node._saved_exponent)
-    return node.next_functions[0], square
+    saved = node._raw_saved_self.data
+    if type(node).__name__ != "MulBackward0":
+        return saved, Square(node._saved_exponent)
+    return (saved, Square(None)) if node._raw_saved_other.data is saved else None
 
 
 # -- FX graphs -------------------------------------------------------------------------------
@@ -260,23 +263,6 @@ def classify_fx_node(node: torch.fx.Node) -> Provenance | None:
 def fx_kind(node: torch.fx.Node) -> int:
     """What an FX node's op means to the rule (``OTHER``, ``VIEW``, ``RELU``, ``SQUARE``...)."""
     return _FX.kind(node)
-
-
-_thread_serials = itertools.count()
-_thread = threading.local()
-
-
-def node_key(node, output_nr: int) -> tuple[int, int, int]:
-    """Identifies an output of an autograd node without holding the node.
-
-    Nodes cannot be weakly referenced. Their sequence numbers are unique per thread (the
-    thread that created them, which is the one packing), and thread identities can be
-    reused: the key pairs the sequence number with a serial number given to each thread.
-    """
-    serial = getattr(_thread, "serial", None)
-    if serial is None:
-        serial = _thread.serial = next(_thread_serials)
-    return serial, node._sequence_nr(), output_nr
 
 
 class Marks:

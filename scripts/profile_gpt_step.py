@@ -24,7 +24,6 @@ from bitsparse.allocator import Arena
 from bitsparse.bench.models import sparse_gpt_loss
 from bitsparse.hooks import handles, manager
 from bitsparse.hooks.spans import SpanIndex
-from bitsparse.hooks.stats import StepCollector
 
 VARIANTS = {
     "dense": lambda: contextlib.nullcontext(),
@@ -43,7 +42,6 @@ STAGES = [
     (manager.Session, "_settle_for_reads"),
     (manager.Session, "_begin_step"),
     (manager.Session, "_site"),
-    (manager.Session, "_note_source"),
     (handles.Site, "prepare"),
     (handles.StoredTensor, "__init__"),
     (handles.StoredTensor, "_restore"),
@@ -56,7 +54,6 @@ STAGES = [
     (Arena, "drain"),
     (SpanIndex, "add"),
     (SpanIndex, "find"),
-    (StepCollector, "account"),
 ]
 
 

@@ -660,6 +660,68 @@ def test_saved_tensor_modified_in_place_raises_as_autograd_does(stored):
     assert "Hint" in str(plain.value) and "Hint" in str(compressed.value)
 
 
+@pytest.mark.parametrize("stored", [False, True], ids=["held", "compressed"])
+def test_saved_tensor_modified_in_place_and_dropped(stored):
+    """A ReLU output saved, modified in place, then dropped (a local of a forward): autograd
+    raises. Held dense (a first step only measures), its memory holds the new values, and
+    unpacking raises as autograd does; compressed, it restores the values the forward used,
+    whose gradients are exact (those autograd would give had the tensor not changed)."""
+    x = torch.randn(64, 512, requires_grad=True)
+    w = torch.randn(512, 16, requires_grad=True)
+
+    def forward():
+        h = torch.relu(x)
+        y = h @ w
+        h.sub_(1)
+        return y
+
+    loss = forward().sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with bitsparse.compressing(**(OPTIONS if stored else {"min_numel": MIN_NUMEL})):
+        loss = forward().sum()
+    s = bitsparse.stats()
+    assert (s.tensors_compressed, s.fallbacks) == ((1, {}) if stored else (0, {"arena_full": 1})), str(s)
+    if not stored:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        return
+    loss.backward()
+    expected = torch.relu(x.detach()).t() @ torch.ones(64, 16)
+    assert_bitwise_equal(w.grad, expected)
+
+
+@pytest.mark.parametrize("between", ["outside", "kept"])
+def test_square_of_a_relu_output_changed_before_it_is_recomputed_from_what_it_squared(between):
+    """A stored ReLU output changed in place under no_grad, then squared where BitSparse's
+    hooks do not store it (outside ``compressing()``, or kept for its size): the square is
+    not recomputed from the stored values, which are not the ones it squared."""
+
+    def w_grad(outer, middle):
+        torch.manual_seed(0)
+        x = (torch.randn(64, 256) - 0.3).requires_grad_()
+        w = torch.randn(256, 8, requires_grad=True)
+        with outer():
+            r = x.relu()
+        with torch.no_grad():
+            r.mul_(2)
+        with middle():
+            s = r.square()
+        with outer():
+            y = s @ w
+        return torch.autograd.grad(y.sum(), w)[0]
+
+    expected = w_grad(contextlib.nullcontext, contextlib.nullcontext)
+    compressing = functools.partial(bitsparse.compressing, **OPTIONS)
+    middle = contextlib.nullcontext
+    if between == "kept":
+        middle = functools.partial(bitsparse.compressing, min_numel=1 << 30)
+    got = w_grad(compressing, middle)
+    assert_bitwise_equal(got, expected)
+    s = bitsparse.stats()
+    assert s.tensors_recomputed == 0 and s.tensors_compressed == 2, str(s)
+
+
 def test_the_unpack_hook_restores_eager_values_itself_and_routes_the_rest():
     """What the pack hook returns in eager autograd (a kept tensor with its version, a
     handle) is restored without the route that looks for a compiled graph's tracing, which

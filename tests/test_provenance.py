@@ -5,7 +5,6 @@ behind CopySlices, which are not; and the save sites learned from hidden tensors
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch.nn.functional as F
 from test_hooks import OPTIONS, alive, assert_same_grads, clean_session, train_step  # noqa: F401 (autouse fixture)
 
 import bitsparse
-from bitsparse.hooks.provenance import Provenance, classify_node, node_key, squared_input
+from bitsparse.hooks.provenance import Provenance, classify_node, squared_operand
 
 RELU, HIDDEN = Provenance.RELU, Provenance.HIDDEN
 
@@ -73,23 +72,33 @@ def test_classification(name):
 def test_classification_never_reads_saved_tensors():
     """Reading a node's saved tensor would run the unpack hook (and decode)."""
     unpacked = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: unpacked.append(t) or t):
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: ("packed", t), lambda p: unpacked.append(p) or p[1]):
         y = F.relu(torch.randn(5, requires_grad=True)).square().view(5, 1)
     assert classify_node(y.grad_fn) == RELU
-    assert squared_input(y.grad_fn.next_functions[0][0]) is not None
+    assert squared_operand(y.grad_fn.next_functions[0][0]) is not None
     assert unpacked == []
 
 
-def test_node_keys_tell_outputs_and_threads_apart():
-    x = torch.randn(4, 2, requires_grad=True)
-    a, b = x.unbind(1)
-    assert node_key(a.grad_fn, a.output_nr) != node_key(b.grad_fn, b.output_nr)
-    assert node_key(a.grad_fn, 0) == node_key(a.grad_fn, 0)
-    keys = []
-    thread = threading.Thread(target=lambda: keys.append(node_key(a.grad_fn, 0)))
-    thread.start()
-    thread.join()
-    assert keys[0] != node_key(a.grad_fn, 0)
+@pytest.mark.parametrize(
+    "spelling, exponent", [("square", 2), ("pow", 2.0), ("mul", None)], ids=["square", "pow", "mul"]
+)
+def test_squared_operand_is_what_the_pack_hook_returned(spelling, exponent):
+    """A square's node gives what the pack hook returned for the tensor it squared (each
+    pack returns a new object here: ``x * x`` saves its operand twice), and how it squared."""
+    square = {"square": torch.square, "pow": lambda r: r.pow(2.0), "mul": lambda r: r * r}[spelling]
+    packed = {}
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.setdefault(id(t), [t]), lambda p: p[0]):
+        r = F.relu(torch.randn(5, requires_grad=True))
+        s = square(r)
+    operand, how = squared_operand(s.grad_fn)
+    assert operand is packed[id(r)] and how.exponent == exponent
+    assert torch.equal(how(r), s)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: [t], lambda p: p[0]):
+        twice = r * r  # two packs, two objects: not the same saved value
+    assert squared_operand(twice.grad_fn) is None
+    plain = square(r)
+    assert squared_operand(plain.grad_fn)[0] is r  # saved without hooks: the tensor itself
+    assert squared_operand(torch.exp(r).grad_fn) is None
 
 
 class HiddenOnView(nn.Module):
