@@ -149,7 +149,8 @@ def enable(
     Takes the same keyword arguments as ``compressing()``. Calling it again replaces the
     options instead of stacking. A ``compressing()`` block inside takes precedence while it
     runs. Steps are told apart by backward: a step begins at the first tensor saved after a
-    backward.
+    backward (one that saved tensors for a double backward, as a gradient penalty's
+    ``autograd.grad(..., create_graph=True)`` does, ends no step).
 
     Raises:
         TypeError, ValueError: as for ``compressing()``.

@@ -1,10 +1,10 @@
 """The pack and unpack hooks: which saved tensors to compress, and where they go.
 
 ``Session`` holds what outlives one forward pass: an arena per device, the marked tensors,
-the tables of stored tensors (to store each once, and to find a square's source), what was
-learned about save sites and the statistics of the step. A step begins at the first pack
-after a backward (any unpack), or after every compressed tensor of the last step was
-released; the arenas are emptied then, if nothing they hold is still alive.
+the tables of stored tensors (to store each once), what was learned about save sites and
+the statistics of the step. A step begins at the first pack after a backward (any unpack;
+not one that saved tensors for a double backward, see ``_step_over``), or after every
+compressed tensor of the last step was released; the arenas are emptied then, if nothing they hold is still alive.
 The hooks only call the codec API; they know nothing of the kernels' insides.
 """
 
@@ -61,6 +61,10 @@ class Session:
         self._step = 1
         self._collector = StepCollector(1)
         self._backward_seen = False
+        self._double_backward_task: int | None = None
+        """The backward (its graph task) that saved tensors for a backward of its own, while
+        it is the last one that unpacked: the forward that goes on after it (a gradient
+        penalty) belongs to the same step (see ``_step_over``)."""
         self._stale_arenas = False
         """Whether an arena could not be emptied at this step's start (tensors of an
         earlier step are alive), so tensors may fall back that would otherwise fit."""
@@ -287,6 +291,8 @@ class Session:
             RuntimeError: the saved tensor was modified in place since it was saved.
         """
         self._backward_seen = True
+        if self._double_backward_task is not None and torch._C._current_graph_task_id() != self._double_backward_task:
+            self._double_backward_task = None  # another backward ran since
         if packed.__class__ is tuple:  # a tensor kept as it is, and its version
             kept, version = packed
             if kept._version != version:
@@ -499,11 +505,23 @@ class Session:
                 self._begin_step()
 
     def _step_over(self) -> bool:
-        """Whether the current step is over: a backward ran since it began (a pack during a
-        backward, which saves for a double backward, belongs to the step), or every tensor
-        it stored was released (a graph dropped without backward)."""
+        """Whether the current step is over: a backward ran since it began, or every tensor
+        it stored was released (a graph dropped without backward).
+
+        A pack during a backward, which saves for a double backward, belongs to the step, and
+        so does the forward that goes on after such a backward while the step's tensors are
+        alive: a gradient penalty (``torch.autograd.grad(..., create_graph=True)``, then more
+        forward, then the backward of it all) is one step, whose arena holds all of it, unless
+        everything the step stored was released."""
         if self._backward_seen:
-            return torch._C._current_graph_task_id() == -1
+            task = torch._C._current_graph_task_id()
+            if task != -1:
+                self._double_backward_task = task
+                return False
+            if self._double_backward_task is not None and (self._live or not self._collector.leased):
+                self._backward_seen = False
+                return False
+            return True
         return self._live == 0 and self._collector.leased
 
     def _begin_step(self) -> None:
@@ -545,6 +563,7 @@ class Session:
         self._step += 1
         self._collector = StepCollector(self._step)
         self._backward_seen = False
+        self._double_backward_task = None
         self._forget_saved()
 
     def _forget_buffers(self) -> None:
@@ -595,6 +614,7 @@ class Session:
             self._step = 1
             self._collector = StepCollector(1)
             self._backward_seen = self._stale_arenas = self._warned_stale = False
+            self._double_backward_task = None
 
 
 def _same_geometry(handle: Handle, t: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ import functools
 import gc
 import inspect
 import threading
+import warnings
 import weakref
 
 import pytest
@@ -483,6 +484,35 @@ def test_double_backward_gradient_penalty(grad_inside):
         got = step(bitsparse.compressing(**OPTIONS))
         assert bitsparse.stats().tensors_compressed >= 2
         assert_same_grads(got, expected)
+
+
+def test_a_gradient_penalty_inside_compressing_is_one_step():
+    """``autograd.grad(..., create_graph=True)``, then more forward (a one-sided penalty on
+    the input gradient's norm, as WGAN-GP's), then the backward of it all, inside one block:
+    one step, whose arena takes every tensor, the forward's and the penalty's."""
+    model, x = mlp(), mlp_input()
+
+    def step(ctx):
+        zero_grads(model, x)
+        with ctx:
+            out = model(x)
+            (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            penalty = F.relu(g.norm(dim=1) - 1).square().mean()
+        (loss_of(out) + penalty).backward()
+        return grads(model, x)
+
+    expected = step(contextlib.nullcontext())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning that a graph was kept without its backward
+        for i in range(3):
+            got = step(bitsparse.compressing(min_numel=MIN_NUMEL))
+            s = bitsparse.stats()
+            assert s.step == i + 1, str(s)
+            if i == 0:  # a first step only measures: every candidate kept dense
+                assert s.tensors_compressed == 0 and s.fallbacks["arena_full"] >= 3, str(s)
+            else:
+                assert s.tensors_compressed >= 3 and s.fallbacks == {}, str(s)
+            assert_same_grads(got, expected)
 
 
 def test_retain_graph_two_backwards():
