@@ -62,6 +62,7 @@ import collections
 import math
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -120,18 +121,24 @@ class ArenaUsage:
 
 class Lease:
     """A claim on the arena's contents, opened by making it (``Arena.open_lease``); release
-    it (once) when they are not needed. A subclass may add what its owner counts."""
+    it when they are not needed, or drop it. A subclass may add what its owner counts.
+
+    The arena knows its leases by weak reference, not by a count: a count that an exception
+    cut between two updates (Ctrl-C, anywhere) would be wrong for good, and a lease the
+    arena missed would let it reuse memory that a compressed tensor still needs."""
 
     __slots__ = ("_arena", "__weakref__")
 
     def __init__(self, arena: "Arena"):
         self._arena = arena
-        arena._leases += 1
+        arena._lease_refs.append(weakref.ref(self))
 
     def release(self) -> None:
-        if self._arena is not None:
-            arena, self._arena = self._arena, None
-            arena._leases -= 1
+        self._arena = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._arena is not None
 
 
 class Arena:
@@ -187,7 +194,8 @@ class Arena:
         self.values: ValueBuffer | None = None
         self._planned: tuple[int, int, int] | None = None
         """Region sizes (fixed, value, spill words) to allocate at the next ``reserve_fixed``."""
-        self._leases = 0
+        self._lease_refs: list[weakref.ref] = []
+        """The leases opened since they were last counted (``open_leases``), by weak reference."""
         self._start_slots: tuple = ()
         self._expected_dense_words = 0
         """What the step's tensors are expected to take dense (see ``begin_step``)."""
@@ -207,11 +215,6 @@ class Arena:
         self._claims: list[tuple[int, int, bool]] = []
         self._pending: collections.deque = collections.deque()
         """(slot, callback or None) of the submitted appends not delivered yet, in order."""
-        self._awaited = 0
-        """Pending appends whose delivery someone waits for: with a callback, or throttled."""
-        self._throttled = 0
-        self._held_words = 0
-        """Words the callers of the unconfirmed throttled appends hold."""
         self._empty()
 
     # -- layout -------------------------------------------------------------------------
@@ -244,15 +247,20 @@ class Arena:
         parts rounded up to the mapping's granularity), and the guard (see ValueBuffer); none
         when ``fixed_words`` is 0. Without a spill region when it cannot be mapped (with a
         warning). The old buffer is released first."""
-        if self._leases:
+        if self.leased:
             raise RuntimeError("the arena cannot be resized while its contents are leased")
+        # Closed first (no fixed words: nothing is handed out of the buffer) and opened last,
+        # each in one statement, which an exception (Ctrl-C) cannot cut: an arena it cut short
+        # stays closed, and asks for a buffer at the next step.
+        self._fixed_capacity, self._requested = 0, (0, 0, 0)
         # Nothing may keep the old buffer alive while the new one is allocated.
         self.values = self._buffer = self._planned = None
         self._fixed_views: dict[tuple[int, int], torch.Tensor] = {}
         # Read at every append: ints, not properties.
-        self._fixed_capacity = self._values_capacity = self._device_value_words = self._spill_words = 0
-        self._requested = (fixed_words, value_words, spill_words)  # before rounding: what plans compare
+        self._values_capacity = self._device_value_words = self._spill_words = 0
+        requested = (fixed_words, value_words, spill_words)  # before rounding: what plans compare
         if fixed_words == 0:
+            self._requested = requested
             self._update_hold_allowance()
             return
         values_start = -(-fixed_words // ALIGN_WORDS) * ALIGN_WORDS
@@ -262,13 +270,13 @@ class Arena:
             device_words = -(-(values_start + value_words) // unit) * unit
             host_words = -(-(spill_words + 1) // unit) * unit
             try:
-                self._buffer = self._mapped_buffer(device_words, host_words)
+                buffer = self._mapped_buffer(device_words, host_words)
                 value_words, spill_words = device_words - values_start, host_words - 1
             except RuntimeError as error:  # torch.OutOfMemoryError included
                 # No worse off than without a spill region: this arena goes on without one.
                 self._spill_refused = True
                 spill_words = 0
-                self._requested = (fixed_words, value_words, 0)
+                requested = (fixed_words, value_words, 0)
                 warnings.warn(
                     f"BitSparse could not map its arena's spill region in host memory ({error}); it goes on "
                     "without one (and does not try again), holding the tensors it is not sure of room for until "
@@ -277,11 +285,11 @@ class Arena:
                     stacklevel=2,
                 )
         if not spill_words:
-            words = values_start + value_words + 1
-            self._buffer = torch.empty(words, dtype=torch.int32, device=self.device)
-        self._fixed_capacity, self._device_value_words, self._spill_words = fixed_words, value_words, spill_words
-        self._values_capacity = value_words + spill_words
-        self.values = ValueBuffer.over(self._buffer[values_start:], self._counters)
+            buffer = torch.empty(values_start + value_words + 1, dtype=torch.int32, device=self.device)
+        self._buffer, self.values = buffer, ValueBuffer.over(buffer[values_start:], self._counters)
+        self._values_capacity, self._device_value_words = value_words + spill_words, value_words
+        self._spill_words = spill_words
+        self._fixed_capacity, self._requested = fixed_words, requested  # open: reserve_fixed hands out words
         self._update_hold_allowance()
 
     def _mapped_buffer(self, device_words: int, host_words: int) -> torch.Tensor:
@@ -420,10 +428,12 @@ class Arena:
     def _add_report_slots(self) -> None:
         ends = torch.zeros(REPORT_SLOTS, dtype=torch.int64, pin_memory=self._cuda)
         first = len(self._report_slots)
-        self._report_slots.extend(ends.split(1))
-        self._report_ends.extend(ends.numpy()[i : i + 1] for i in range(REPORT_SLOTS))
-        self._claims.extend([(0, 0, False)] * REPORT_SLOTS)
-        self._free_reports.extend(range(first + REPORT_SLOTS - 1, first - 1, -1))
+        slots = self._report_slots + list(ends.split(1))
+        report_ends = self._report_ends + [ends.numpy()[i : i + 1] for i in range(REPORT_SLOTS)]
+        claims = self._claims + [(0, 0, False)] * REPORT_SLOTS
+        free = self._free_reports + list(range(first + REPORT_SLOTS - 1, first - 1, -1))
+        # One statement, which an exception (Ctrl-C) cannot cut: the four lists stay in step.
+        self._report_slots, self._report_ends, self._claims, self._free_reports = slots, report_ends, claims, free
 
     def submit(self, slot: int, on_end: Callable[[int, int], None] | None = None) -> int:
         """Submit the append given ``slot`` by ``next_report``; return its number among the
@@ -522,8 +532,15 @@ class Arena:
         return Lease(self)
 
     @property
+    def open_leases(self) -> int:
+        """How many leases are open: made, not released, not dropped."""
+        refs = [ref for ref in self._lease_refs if (lease := ref()) is not None and lease.is_open]
+        self._lease_refs = refs
+        return len(refs)
+
+    @property
     def leased(self) -> bool:
-        return self._leases > 0
+        return self.open_leases > 0
 
     def begin_step(
         self,
@@ -550,7 +567,7 @@ class Arena:
         again at the first ``reserve_fixed``. The step's hold allowance is ``dense_words``
         less the arena's device memory.
         """
-        if self._leases:
+        if self.leased:
             return False
         self.drain()
         self._expected_dense_words = dense_words or 0
@@ -571,6 +588,13 @@ class Arena:
         return True
 
     def _empty(self) -> None:
+        """Start the step's accounting afresh (nothing is pending): what an exception (Ctrl-C)
+        cut short in the last step's is not carried over."""
+        self._awaited = 0
+        """Pending appends whose delivery someone waits for: with a callback, or throttled."""
+        self._throttled = 0
+        self._held_words = 0
+        """Words the callers of the unconfirmed throttled appends hold."""
         self._fixed_used = 0
         self._fixed_demand = 0
         self._last_end = 0

@@ -91,6 +91,7 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
         self._excluded = _session.excluded_sites()
         super().__init__(*hooks_for(_session, self.options, self._excluded))
         self._steering: tuple | None = None
+        self._outer_depth, self._pushed = 0, False
 
     def __enter__(self) -> "compressing":
         # The step begins at its first saved tensor, inside the forward, where the host is
@@ -100,18 +101,36 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
         if _session.excluded_sites() is not self._excluded:
             self._excluded = _session.excluded_sites()
             self.pack_hook, self.unpack_hook = hooks_for(_session, self.options, self._excluded)
-        self._steering = steer_compiles()
-        super().__enter__()
-        _local.depth = _depth() + 1
-        return self
+        # An exception (Ctrl-C) may cut any line below short: the block is then not entered and
+        # nothing of it stays on (``with`` calls no __exit__ then). What is pushed is noted in
+        # the statement that pushes it, which nothing can cut (unlike saved_tensors_hooks's
+        # __enter__, a Python function that the flag would have to follow).
+        self._steering, self._outer_depth, self._pushed = None, _depth(), False
+        try:
+            self._steering = steer_compiles()
+            self._pushed = _push_hooks(self.pack_hook, self.unpack_hook) or True
+            _local.depth = self._outer_depth + 1
+            return self
+        except BaseException:
+            self._leave()
+            raise
 
     def __exit__(self, *exc) -> None:
-        _local.depth -= 1
-        super().__exit__(*exc)
-        stop_steering(self._steering)
-        self._steering = None
+        self._leave()
         _session.poll()
 
+    def _leave(self) -> None:
+        """Undo what ``__enter__`` did, as far as it got."""
+        if self._pushed:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self._pushed = False
+        _local.depth = self._outer_depth
+        stop_steering(self._steering)
+        self._steering = None
+
+
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+"""What ``saved_tensors_hooks.__enter__`` calls (returns None)."""
 
 _checked_options: dict[tuple, Options] = {}
 """Options already checked, by their values and types: a training loop enters a block with

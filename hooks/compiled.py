@@ -78,7 +78,9 @@ from bitsparse.hooks.provenance import RELU, SQUARE, Provenance, classify_fx_nod
 
 _hook_pairs: dict[tuple, tuple] = {}
 """The hook pair of each (session, options, excluded sites): the same objects every time, so
-that a compiled graph, which guards on them, is not compiled again."""
+that a compiled graph, which guards on them, is not compiled again. Kept for good (a few
+objects per set of options a program uses): Dynamo guards on the hooks' ids, which a new
+object could take over from a dead one, running a graph compiled for another pair."""
 _installed: dict[int, tuple] = {}
 """The session and options of each hook pair, by number: the ops take plain values."""
 _numbers = itertools.count()
@@ -174,7 +176,9 @@ def selected(node: torch.fx.Node, options: Options, excluded: frozenset = frozen
         return False
     numel = value.numel()
     if isinstance(numel, torch.SymInt):
-        numel = numel.node.hint if numel.node.has_hint() else options.min_numel
+        # A size that varies says nothing of the runs by the one compiled for (the first, or a
+        # small last batch): selected, as any size, and a run too large is kept (``Site``).
+        numel = options.min_numel
     if not options.min_numel <= numel <= MAX_NUMEL or numel == 0:
         return False
     if options.select == "relu" and classify_fx_node(node) is not Provenance.RELU:
@@ -396,9 +400,15 @@ def _end_steering(steering: tuple | None) -> None:
 def _begin_steering() -> tuple:
     """Steer compiles from now; returns what ``stop_steering`` takes to end it."""
     undo: list = []
-    _steer_functorch(undo)
-    outer, _steering.undo = getattr(_steering, "undo", None), undo
-    return outer, undo
+    outer = getattr(_steering, "undo", None)
+    try:
+        _steer_functorch(undo)
+        _steering.undo = undo
+        return outer, undo
+    except BaseException:  # Ctrl-C, say: the caller gets nothing to end, so nothing stays set
+        _steering.undo = outer
+        _restore(undo)
+        raise
 
 
 def _steer_functorch(undo: list) -> None:

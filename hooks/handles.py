@@ -150,12 +150,13 @@ class Site:
 
     def prepare(self, values: ValueBuffer, geometry: TileGeometry, report: bool) -> None:
         """Prepare the codec to append to ``values`` (with report words when ``report``)."""
-        self.values = values
         words, cursor, appends = values.words, values.cursor, values.appends
-        self.encode = self.codec.encoder(
+        encode = self.codec.encoder(
             words, cursor, appends, self.spec, geometry, self.sign_pack, self.numel, True, report, self.relu_inputs
         )
-        self.decode = self.codec.decoder(words, self.spec, geometry, self.sign_pack, self.numel)
+        decode = self.codec.decoder(words, self.spec, geometry, self.sign_pack, self.numel)
+        # One statement, which an exception (Ctrl-C) cannot cut: ``values`` says what is prepared.
+        self.values, self.encode, self.decode = values, encode, decode
 
     def forget_buffer(self) -> None:
         self.values = self.encode = self.decode = None

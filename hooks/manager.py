@@ -527,6 +527,7 @@ class Session:
     def _begin_step(self) -> None:
         """Learn from the finished step which sites do not pay and what the others need, and
         empty the arenas for the new step where nothing they hold is alive."""
+        self._recount()
         for arena in self._arenas.values():
             arena.drain()  # the last step's reports: its encoders ran before its backward
         # An arena that no tensor of the step reached (a forward that saved nothing it would
@@ -571,6 +572,11 @@ class Session:
         for site in self._sites.values():
             site.forget_buffer()
 
+    def _recount(self) -> None:
+        """Count the live tensors again from the arenas' leases, the truth, in case an
+        exception (Ctrl-C) cut an update of the count short."""
+        self._live = sum(arena.open_leases for arena in self._arenas.values())
+
     def _released(self) -> None:
         """One compressed tensor fewer (called with the lock held)."""
         self._live -= 1
@@ -596,6 +602,7 @@ class Session:
             RuntimeError: compressed tensors are alive (run backward, or drop their graphs).
         """
         with self._lock:
+            self._recount()
             if self._live:
                 raise RuntimeError(
                     f"cannot reset BitSparse while {self._live} compressed tensors are alive: run backward "
@@ -627,19 +634,22 @@ def _same_geometry(handle: Handle, t: torch.Tensor) -> bool:
 
 class _Lease(Lease):
     """An arena lease that also counts the session's live tensors; released when dropped,
-    whatever dropped it (an exception while storing included)."""
+    whatever dropped it (an exception while storing included). The count is for the hooks'
+    quick checks; each step's start counts again from the arenas' leases, which an
+    exception cannot leave wrong (see ``Lease``)."""
 
     __slots__ = ("_session",)
 
     def __init__(self, session: Session, arena: Arena):
         super().__init__(arena)
-        self._session = session
-        session._live += 1
+        self._session, session._live = session, session._live + 1  # one statement: nothing cuts it
 
     def __del__(self):
-        with self._session._lock:
-            self.release()
-            self._session._released()
+        session = getattr(self, "_session", None)  # None if an exception cut __init__ short
+        if session is not None:
+            with session._lock:
+                self.release()
+                session._released()
 
 
 def _confirmation(handle_ref, session: Session, arena: Arena):

@@ -4,7 +4,8 @@ One rule decides, for the two graphs a saved tensor can come from: the autograd 
 eager mode (the saved tensor's ``grad_fn``, read at pack time) and the FX graph of a compiled
 forward (the saved node, read when the graph is compiled). The rule is keyed by the op's name:
 ``relu`` yields ReLU-family values; ``clamp_min``, ``clamp`` and ``hardtanh`` (also ``relu6``)
-do with a nonnegative lower bound; ``threshold`` does with a nonnegative threshold and a value
+do with a nonnegative lower bound, and a nonnegative upper bound alone (``clamp_max``) keeps
+what its input is; ``threshold`` does with a nonnegative threshold and a value
 of 0; a square (``pow`` with exponent 2, ``mul`` of a tensor by itself) of a ReLU-family tensor
 is one; and views and casts are looked through. Reading that costs a few attribute lookups per
 saved tensor and nothing per op (a ``TorchFunctionMode`` watching every op made the GPT step
@@ -59,6 +60,22 @@ def _floor(name: str):
     return lambda node, graph: RELU if _nonnegative(graph.scalar(node, name)) else OTHER
 
 
+def _clamp(node, graph) -> int:
+    """ReLU-family with a nonnegative lower bound; without one, what a nonnegative upper bound
+    leaves of its input (see ``_ceiling``)."""
+    low = graph.scalar(node, "min")
+    if low is None:
+        return _ceiling(node, graph)
+    return RELU if _nonnegative(low) else OTHER
+
+
+def _ceiling(node, graph) -> int:
+    """A nonnegative upper bound keeps a ReLU-family input's zeros zero and its values
+    nonnegative: what the input is (``relu6`` is ``clamp_max(clamp_min(x, 0), 6)`` in a
+    compiled graph)."""
+    return VIEW if _nonnegative(graph.scalar(node, "max")) else OTHER
+
+
 def _threshold(node, graph) -> int:
     value = graph.scalar(node, "value")
     if value is _MISSING:
@@ -84,7 +101,8 @@ _VIEW_OPS = (
 OP_RULES = {
     "relu": RELU,
     "clamp_min": _floor("min"),
-    "clamp": _floor("min"),
+    "clamp": _clamp,
+    "clamp_max": _ceiling,
     "hardtanh": _floor("min_val"),
     "threshold": _threshold,
     "pow": _pow,
@@ -135,6 +153,7 @@ _AUTOGRAD_OPS = {
     "ReluBackward0": "relu",
     "ClampMinBackward0": "clamp_min",
     "ClampBackward1": "clamp",
+    "ClampMaxBackward0": "clamp_max",
     "HardtanhBackward0": "hardtanh",
     "ThresholdBackward0": "threshold",
     "PowBackward0": "pow",

@@ -18,10 +18,12 @@ class Stats:
     A step is one forward pass and its backward: it begins at the first saved tensor after
     a backward, so the forwards of gradient accumulation before one backward form one step.
 
-    Sizes are in bytes. ``dense_bytes`` is what the compressed tensors took dense and
-    ``stored_bytes`` what they take now (masks, tile words and values; a fallback counts
-    dense). ``ratio = dense_bytes / stored_bytes``. ``zero_fraction`` is over the compressed
-    tensors. Deduplicated and recomputed saves cost nothing and are counted apart.
+    Sizes are in bytes. ``dense_bytes`` is what the compressed tensors and the fallbacks
+    took dense and ``stored_bytes`` what they take now (masks, tile words and values; a
+    fallback counts dense). ``ratio = dense_bytes / stored_bytes``. ``zero_fraction`` is over
+    the tensors encoded (the compressed ones, and those whose values did not fit). Each saved
+    tensor counts once in ``tensors_seen``: compressed, deduplicated, recomputed, skipped or
+    a fallback. Deduplicated and recomputed saves cost nothing.
 
     ``tensors_skipped`` counts saved tensors kept as they are, by the first reason that
     applies: ``small`` (fewer than ``min_numel`` elements), ``parameter`` (a parameter or a
@@ -90,9 +92,9 @@ class Stats:
 
 @dataclass
 class Stored:
-    """What a step's compressed tensors took: how many, their dense bytes and elements, the
-    bytes they take (one that did not fit counts dense), of them in host memory, and how
-    many did not fit."""
+    """What a step's appends of tensors to compress took: how many fit (compressed), their
+    dense bytes and elements, the bytes they take (one that did not fit counts dense), of
+    them in host memory, and how many did not fit (kept dense: fallbacks)."""
 
     tensors: int = 0
     dense_bytes: int = 0
@@ -142,9 +144,8 @@ class StepCollector:
         fixed words, value words, most value words]``. Read at every step's start: only these
         sums (``stored`` is the statistics' own)."""
         sites: dict[object, list] = {}
-        for arena, number, site, _ in self.appends:
-            ends = arena.ends()
-            words = ends[number] - (ends[number - 1] if number else 0)
+        for arena, site, _, start, end in self._delivered():
+            words = end - start
             totals = sites.get(site)
             if totals is None:
                 sites[site] = [arena, site.dense_bytes, site.fixed_words, words, site.max_value_words]
@@ -155,18 +156,26 @@ class StepCollector:
                 totals[4] += site.max_value_words
         return sites
 
+    def _delivered(self):
+        """``(arena, site, compressed, start, end)`` of each of the step's appends whose end its
+        arena delivered: the value words from ``start`` to ``end`` are its (or would have been,
+        past the value region). A report lost to an exception (Ctrl-C) while it was delivered
+        is left out."""
+        for arena, number, site, compressed in self.appends:
+            ends = arena.ends()
+            if number < len(ends):
+                yield arena, site, compressed, ends[number - 1] if number else 0, ends[number]
+
     def stored(self) -> Stored:
         """What the step's compressed tensors took, once the arenas delivered their ends."""
         stored = Stored()
-        for arena, number, site, compressed in self.appends:
+        for arena, site, compressed, start, end in self._delivered():
             if not compressed:
                 continue
-            ends = arena.ends()
-            start, end = ends[number - 1] if number else 0, ends[number]
-            stored.tensors += 1
             stored.dense_bytes += site.dense_bytes
             stored.numel += site.numel
             if end <= arena.values_capacity_words:
+                stored.tensors += 1
                 stored.bytes += WORD_BYTES * (site.fixed_words + end - start)
                 stored.spilled_bytes += WORD_BYTES * max(0, end - max(start, arena.device_value_words))
             else:

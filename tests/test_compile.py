@@ -39,6 +39,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import bitsparse
+from bitsparse.allocator.arena import DEMAND_STEPS
 from bitsparse.bench.models import GPT, GPTConfig
 from bitsparse.hooks import handles
 
@@ -88,6 +89,25 @@ def test_compiled_mlp_compresses_its_relu_outputs_exactly():
         assert (s.tensors_seen, s.tensors_compressed, s.fallbacks) == (2, 2, {})
         assert s.dense_bytes == h1.numel() * 4 + h2.numel() * 4 and s.stored_bytes == nbytes
     assert alive() == 0
+
+
+class ClampToUnit(nn.Module):
+    def forward(self, x):
+        return x.clamp(0, 1)
+
+
+@pytest.mark.parametrize(
+    "activation",
+    [nn.ReLU6(), nn.Hardtanh(0.0, 2.0), ClampToUnit()],
+    ids=["relu6", "hardtanh(0, 2)", "clamp(0, 1)"],
+)
+def test_compiled_bounded_relus_are_compressed(activation):
+    """A compiled graph spells a ReLU with an upper bound as ``clamp_max(clamp_min(x, 0), b)``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), activation, nn.Linear(256, 10))
+    stats, frames, _ = compiled_steps(model, mlp_input())
+    assert frames == 1
+    assert [s.tensors_compressed for s in stats] == [1, 1, 1]
 
 
 @pytest.mark.usefixtures("fused_backwards_on_the_cpu")
@@ -157,6 +177,20 @@ def check_dynamic_shapes(device: torch.device, dtype: torch.dtype) -> None:
         assert_same_grads(train_step(compiled, x, bitsparse.compressing(**OPTIONS)), expected)
         assert bitsparse.stats().tensors_compressed == 3
     assert counter.frame_count == frames[0] + 1  # once more, for the hooks
+
+
+def test_dynamic_shapes_select_whatever_size_they_were_compiled_for():
+    """A size that varies is selected whatever size the graph was compiled for: compiled
+    first for a batch below ``min_numel``, the graph compresses the larger batches (all of
+    them once the small step has left the arena's sizing: it caps the arena for
+    ``DEMAND_STEPS`` steps, so that a step like it is never worse off)."""
+    model = mlp()
+    compiled = torch.compile(model, backend=CompileCounterWithBackend("inductor"), dynamic=True)
+    for batch in (2,) + (64,) * (DEMAND_STEPS + 1):
+        x = mlp_input(batch=batch)
+        expected = train_step(compiled, x, contextlib.nullcontext())
+        assert_same_grads(train_step(compiled, x, bitsparse.compressing(**OPTIONS)), expected)
+    assert bitsparse.stats().tensors_compressed == 2
 
 
 def test_eager_and_compiled_parts_in_one_model():
@@ -386,6 +420,27 @@ def test_compiled_arena_that_is_full_stays_exact(relu_squares):
     assert fused == (3 if relu_squares else 0)  # one per block
     assert stats[0].fallbacks.get("arena_full", 0) > 0
     assert stats[-1].fallbacks == {} and stats[-1].tensors_compressed == (3 if relu_squares else 2)
+
+
+def test_retain_graph_through_a_compiled_model(monkeypatch):
+    """The backward is compiled with the forward, reusing the saved buffers, and PyTorch
+    refuses ``retain_graph=True`` through it unless ``donated_buffer`` is off, as its error
+    says: then both backwards are exact (the second decodes again)."""
+    model, x = mlp(), mlp_input()
+    compiled = torch.compile(model, backend="inductor")
+
+    def two_backwards(ctx):
+        with ctx:
+            loss = compiled(x).square().sum()
+        first = torch.autograd.grad(loss, [x, *model.parameters()], retain_graph=True)
+        return [*first, *torch.autograd.grad(loss, [x, *model.parameters()])]
+
+    monkeypatch.setattr(torch._functorch.config, "donated_buffer", False)
+    torch._dynamo.reset()
+    expected = two_backwards(contextlib.nullcontext())
+    for _ in range(2):
+        assert_same_grads(two_backwards(bitsparse.compressing(**OPTIONS)), expected)
+        assert bitsparse.stats().tensors_compressed == 2
 
 
 def test_a_dynamo_reset_inside_a_block_leaves_its_compile_exact():

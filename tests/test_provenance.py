@@ -41,6 +41,9 @@ CASES = {
     "clamp(min=-1)": (lambda x: x.clamp(min=-1), None),
     "clamp(max=1)": (lambda x: x.clamp(max=1), None),
     "clamp(min=tensor)": (lambda x: x.clamp(min=torch.zeros(())), None),
+    "relu().clamp(max=1)": (lambda x: F.relu(x).clamp(max=1), RELU),
+    "relu().clamp_max(0)": (lambda x: F.relu(x).clamp_max(0), RELU),
+    "relu().clamp_max(-1)": (lambda x: F.relu(x).clamp_max(-1), None),
     "threshold": (lambda x: F.threshold(x, 0.0, 0.0), HIDDEN),  # its node drops the value
     "relu().square()": (lambda x: F.relu(x).square(), RELU),
     "relu() ** 2": (lambda x: F.relu(x) ** 2, RELU),
