@@ -190,7 +190,8 @@ def _trace_pack(t: torch.Tensor, number: int, options: Options, excluded: frozen
     inductor_config = sys.modules.get("torch._inductor.config")
     if inductor_config is not None and inductor_config.triton.cudagraphs:
         raise RuntimeError(
-            "BitSparse does not support CUDA graphs (torch.compile(mode='reduce-overhead')): its arena "
+            "BitSparse does not support CUDA graphs (torch.compile with mode='reduce-overhead' or "
+            "mode='max-autotune', or options={'triton.cudagraphs': True}): its arena "
             "and the fallback of tensors it cannot store are managed by the host at every step. Compile "
             "with mode='default' or mode='max-autotune-no-cudagraphs' inside bitsparse.compressing()."
         )

@@ -422,7 +422,7 @@ def test_compiled_arena_that_is_full_stays_exact(relu_squares):
     assert stats[-1].fallbacks == {} and stats[-1].tensors_compressed == (3 if relu_squares else 2)
 
 
-def test_retain_graph_through_a_compiled_model(monkeypatch):
+def test_retain_graph_through_a_compiled_model():
     """The backward is compiled with the forward, reusing the saved buffers, and PyTorch
     refuses ``retain_graph=True`` through it unless ``donated_buffer`` is off, as its error
     says: then both backwards are exact (the second decodes again)."""
@@ -435,12 +435,11 @@ def test_retain_graph_through_a_compiled_model(monkeypatch):
         first = torch.autograd.grad(loss, [x, *model.parameters()], retain_graph=True)
         return [*first, *torch.autograd.grad(loss, [x, *model.parameters()])]
 
-    monkeypatch.setattr(torch._functorch.config, "donated_buffer", False)
-    torch._dynamo.reset()
-    expected = two_backwards(contextlib.nullcontext())
-    for _ in range(2):
-        assert_same_grads(two_backwards(bitsparse.compressing(**OPTIONS)), expected)
-        assert bitsparse.stats().tensors_compressed == 2
+    with torch._functorch.config.patch(donated_buffer=False):
+        expected = two_backwards(contextlib.nullcontext())
+        for _ in range(2):
+            assert_same_grads(two_backwards(bitsparse.compressing(**OPTIONS)), expected)
+            assert bitsparse.stats().tensors_compressed == 2
 
 
 def test_a_dynamo_reset_inside_a_block_leaves_its_compile_exact():
@@ -567,9 +566,10 @@ def test_marked_tensor_in_eager_mode_is_the_tensor_itself():
         assert bitsparse.stats().tensors_compressed == 1
 
 
-def test_cuda_graphs_are_refused_with_the_alternative():
-    compiled = torch.compile(mlp(), mode="reduce-overhead")
-    with pytest.raises(Exception, match=r"does not support CUDA graphs.*max-autotune-no-cudagraphs"):
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_cuda_graphs_are_refused_with_the_alternative(mode):
+    compiled = torch.compile(mlp(), mode=mode)
+    with pytest.raises(Exception, match=rf"does not support CUDA graphs.*'{mode}'.*max-autotune-no-cudagraphs"):
         train_step(compiled, mlp_input(), bitsparse.compressing(**OPTIONS))
     assert alive() == 0
     # The library still works afterwards.
