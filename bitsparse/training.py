@@ -72,7 +72,8 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
         (``grad``, ``vjp``, ``jacrev``, ``hessian``) refuse to run while any saved-tensor
         hooks are installed: call them outside the block (or after ``disable()``).
         Code compiled with ``torch.compile`` compresses inside its graphs (compiled once per
-        set of options); ``mode="reduce-overhead"`` (CUDA graphs) is refused when it compiles.
+        ``min_numel`` and ``select``: the other options are read at run time);
+        ``mode="reduce-overhead"`` (CUDA graphs) is refused when it compiles.
     """
 
     def __init__(
@@ -91,7 +92,7 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
         self._excluded = _session.excluded_sites()
         super().__init__(*hooks_for(_session, self.options, self._excluded))
         self._steering: tuple | None = None
-        self._outer_depth, self._pushed = 0, False
+        self._outer_depth, self._pushed, self._outer_options = 0, False, None
 
     def __enter__(self) -> "compressing":
         # The step begins at its first saved tensor, inside the forward, where the host is
@@ -105,9 +106,10 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
         # nothing of it stays on (``with`` calls no __exit__ then). What is pushed is noted in
         # the statement that pushes it, which nothing can cut (unlike saved_tensors_hooks's
         # __enter__, a Python function that the flag would have to follow).
-        self._steering, self._outer_depth, self._pushed = None, _depth(), False
+        self._steering, self._outer_depth, self._pushed, self._outer_options = None, _depth(), False, None
         try:
             self._steering = steer_compiles()
+            self._outer_options = self.pack_hook.use(self.options)
             self._pushed = _push_hooks(self.pack_hook, self.unpack_hook) or True
             _local.depth = self._outer_depth + 1
             return self
@@ -125,6 +127,8 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
             torch._C._autograd._pop_saved_tensors_default_hooks()
             self._pushed = False
         _local.depth = self._outer_depth
+        if self._outer_options is not None:  # an outer block's, or the last block's: either serves
+            self.pack_hook.use(self._outer_options)
         stop_steering(self._steering)
         self._steering = None
 
@@ -190,8 +194,7 @@ def enable(
     )
     _check_innermost("enable", "before")
     disable()
-    hooks.__enter__()
-    _local.enabled = hooks
+    _local.enabled = hooks.__enter__()  # one statement: Ctrl-C cannot leave the hooks on unrecorded
 
 
 def disable() -> None:
@@ -211,12 +214,12 @@ def disable() -> None:
 
 def _check_innermost(caller: str, when: str) -> None:
     """Raise unless the thread's innermost saved-tensor hooks are ``enable()``'s or none."""
-    top = _innermost_hooks()
     enabled = getattr(_local, "enabled", None)
+    if _depth() > (enabled is not None):  # first: a block may push the very hooks enable() did
+        raise RuntimeError(f"{caller}() cannot be called inside compressing(); call it {when} the block")
+    top = _innermost_hooks()
     if top is None or (enabled is not None and top[0] is enabled.pack_hook):
         return
-    if _depth() > (enabled is not None):
-        raise RuntimeError(f"{caller}() cannot be called inside compressing(); call it {when} the block")
     raise RuntimeError(
         f"{caller}() was called inside a saved_tensors_hooks block opened outside BitSparse: autograd removes "
         "hook pairs last in, first out, so that block's exit would remove BitSparse's hooks instead of its "

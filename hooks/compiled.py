@@ -77,12 +77,14 @@ from bitsparse.hooks.options import Options
 from bitsparse.hooks.provenance import RELU, SQUARE, Provenance, classify_fx_node, fx_kind
 
 _hook_pairs: dict[tuple, tuple] = {}
-"""The hook pair of each (session, options, excluded sites): the same objects every time, so
-that a compiled graph, which guards on them, is not compiled again. Kept for good (a few
-objects per set of options a program uses): Dynamo guards on the hooks' ids, which a new
+"""The hook pair of each (session, selection options, excluded sites): the same objects every
+time, so that a compiled graph, which guards on them, is not compiled again. Kept for good (a
+few objects per selection a program uses): Dynamo guards on the hooks' ids, which a new
 object could take over from a dead one, running a graph compiled for another pair."""
 _installed: dict[int, tuple] = {}
-"""The session and options of each hook pair, by number: the ops take plain values."""
+"""The session and run-time options of each hook pair, by number: the ops take plain values."""
+MAX_OPTION_SETS = 256
+"""Run-time option sets a pack hook keeps its screen for; forgotten all at once past this."""
 _numbers = itertools.count()
 _AOT_GRAPH_COMPILE = "torch._functorch._aot_autograd.graph_compile"
 
@@ -96,16 +98,19 @@ def _hook_context() -> dict | None:
 
 
 def hooks_for(session, options: Options, excluded: frozenset) -> tuple:
-    """The ``(pack, unpack)`` hook pair of ``session`` with ``options``, selecting in compiled
-    graphs no save site in ``excluded``."""
-    key = (id(session), options, excluded)
+    """The ``(pack, unpack)`` hook pair of ``session`` that selects as ``options`` do
+    (``min_numel``, ``select``) and, in compiled graphs, no save site in ``excluded``. Every
+    set of options that selects alike gets the same pair, whose graphs then serve them all:
+    a block points the pack hook at its own options while it runs (``_PackHook.use``), so
+    that changing an option that only matters at run time (``capacity``, ``window``, ...)
+    compiles nothing again."""
+    key = (id(session), options.min_numel, options.select, excluded)
     pair = _hook_pairs.get(key)
     if pair is None:
         number = next(_numbers)
-        _installed[number] = (session, options)
-        pack = _Hook(functools.partial(session.pack, options), lambda t: _trace_pack(t, number, options, excluded))
-        pack.screen_with(session.pack_hook(options, pack.route))
+        pack = _PackHook(session, number, lambda t: _trace_pack(t, number, options, excluded))
         pack.selection = (options, excluded)
+        pack.use(options)
         unpack = _Hook(session.unpack, _trace_unpack)
         unpack.screen_with(session.unpack_hook(unpack.route))
         pair = _hook_pairs[key] = (pack, unpack)
@@ -143,6 +148,44 @@ class _Hook(torch.fx.GraphModule):
         tensor)."""
         type(self).__call__ = staticmethod(screen)
         _skipped_by_dynamo(screen.__code__)
+
+
+class _PackHook(_Hook):
+    """A pack hook, which stores with the options of the innermost block using it (``use``):
+    its eager path (a screen and ``Session.pack``) and its compiled graphs' ops read them."""
+
+    options: Options | None = None
+    """The options it stores with now."""
+
+    def __init__(self, session, number: int, traced):
+        super().__init__(None, traced)
+        self._session, self._number = session, number
+        self._by_options: dict[Options, tuple] = {}
+        """The screen and eager pack of each set of options used (built once: a block uses
+        them at every step)."""
+
+    def use(self, options: Options) -> Options | None:
+        """Store with ``options`` (which select as this hook's do) from now on; return the
+        options it stored with until now. Hooks are per thread but this hook is shared: two
+        threads that use it at once with different options store with the last one's, as
+        exactly."""
+        before = self.options
+        if options is not before:
+            made = self._by_options.get(options)
+            if made is None:
+                if len(self._by_options) >= MAX_OPTION_SETS:
+                    self._by_options.clear()
+                session = self._session
+                made = self._by_options[options] = (
+                    session.pack_hook(options, self.route),
+                    functools.partial(session.pack, options),
+                )
+            screen, self._eager = made
+            self.screen_with(screen)
+            # Last, in one statement: an exception (Ctrl-C) above leaves ``options`` as it
+            # was, and the next use does all of this again.
+            _installed[self._number], self.options = (self._session, options), options
+        return before
 
 
 def _skipped_by_dynamo(code) -> None:

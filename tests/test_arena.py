@@ -321,6 +321,20 @@ def test_a_step_begins_only_when_every_lease_is_released():
     assert not arena.leased
 
 
+def test_a_dropped_lease_is_released_and_open_ones_are_counted():
+    """The arena knows its leases by weak reference: dropping one releases it, whatever
+    dropped it (an exception that cut its owner's bookkeeping short included)."""
+    arena = Arena("cpu", 4096)
+    leases = [arena.open_lease() for _ in range(3)]
+    assert arena.open_leases == 3
+    leases[0].release()
+    del leases[1]
+    gc.collect()
+    assert arena.open_leases == 1 and not arena.begin_step(0, 0)
+    del leases[-1]
+    assert arena.open_leases == 0 and arena.begin_step(0, 0)
+
+
 def test_begin_step_empties_the_arena_and_until_then_contents_survive():
     arena = Arena("cpu", 1 << 16, growable=False)
     lease = arena.open_lease()

@@ -1458,9 +1458,10 @@ def test_compressing_inside_enable():
     assert_same_grads(grads(model, x), expected)
 
 
-def test_disable_inside_compressing_raises():
+@pytest.mark.parametrize("inner", [{}, {**OPTIONS, "sign_pack": True}], ids=["other_hooks", "shared_hooks"])
+def test_disable_inside_compressing_raises(inner):
     bitsparse.enable(**OPTIONS)
-    with bitsparse.compressing():
+    with bitsparse.compressing(**inner):
         with pytest.raises(RuntimeError, match="inside compressing"):
             bitsparse.disable()
         assert bitsparse.is_enabled()
@@ -1477,9 +1478,10 @@ def test_enable_inside_compressing_raises():
     assert not bitsparse.is_enabled()
 
 
-def test_enable_inside_compressing_while_enabled_raises():
+@pytest.mark.parametrize("inner", [{}, {**OPTIONS, "sign_pack": True}], ids=["other_hooks", "shared_hooks"])
+def test_enable_inside_compressing_while_enabled_raises(inner):
     bitsparse.enable(**OPTIONS)
-    with bitsparse.compressing():
+    with bitsparse.compressing(**inner):
         with pytest.raises(RuntimeError, match="compressing"):
             bitsparse.enable(min_numel=1)
         assert bitsparse.is_enabled()
@@ -1839,31 +1841,62 @@ def ctrl_c_sweep(interruptions: int) -> int:
 
     counting = CtrlC(0)
     interrupted_step(counting)
-    for at in range(1, counting.lines + 1, max(1, counting.lines // interruptions)):
-        interrupted_step(CtrlC(at))
-        gc.collect()
-        assert not hooks_installed(), at
-        # The first step continues the interrupted one (no backward ended it), whose counts
-        # the interrupt may have cut between two updates. It may count as a small step, whose
-        # size caps the arena for the next DEMAND_STEPS steps (so that such a step is never
-        # worse off): fewer tensors may fit until then, all of them after.
-        for step in range(DEMAND_STEPS + 2):
-            assert_same_grads(train_step(model, x, bitsparse.compressing(**OPTIONS)), expected)
-            if step:
-                check_consistent(bitsparse.stats())
-        s = bitsparse.stats()
-        assert (s.tensors_compressed, s.fallbacks) == (2, {}), (at, str(s))
-        gc.collect()
-        assert alive() == 0, at
+    hook = sys.unraisablehook
+    sys.unraisablehook = functools.partial(_drop_interrupts, hook)
+    try:
+        for at in range(1, counting.lines + 1, max(1, counting.lines // interruptions)):
+            interrupted_step(CtrlC(at))
+            gc.collect()
+            assert not hooks_installed(), at
+            # The first step continues the interrupted one (no backward ended it), whose counts
+            # the interrupt may have cut between two updates. It may count as a small step,
+            # whose size caps the arena for the next DEMAND_STEPS steps (so that such a step is
+            # never worse off): fewer tensors may fit until then, all of them after.
+            for step in range(DEMAND_STEPS + 2):
+                assert_same_grads(train_step(model, x, bitsparse.compressing(**OPTIONS)), expected)
+                if step:
+                    check_consistent(bitsparse.stats())
+            s = bitsparse.stats()
+            assert (s.tensors_compressed, s.fallbacks) == (2, {}), (at, str(s))
+            gc.collect()
+            assert alive() == 0, at
+    finally:
+        sys.unraisablehook = hook
     return counting.lines
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Ctrl-C in a finalizer: printed
+def _drop_interrupts(hook, unraisable) -> None:
+    """Drop a KeyboardInterrupt raised in a finalizer (a lease released by the garbage
+    collector) once Python has passed it over, as Python's own hook does after printing it;
+    pytest's would keep it, and the objects its traceback holds, to the test's end."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        hook(unraisable)
+
+
 def test_ctrl_c_anywhere_in_a_step_leaves_the_library_working():
     """Ctrl-C lands wherever the host is, inside BitSparse's Python too (a forward the host
     bounds spends much of its time there): wherever it lands, the library goes on working.
     Here at 60 places spread over the step; ``ctrl_c_sweep(lines)`` tries every line."""
     assert ctrl_c_sweep(60) > 200
+
+
+def test_a_block_inside_enable_stores_with_its_own_options_and_enable_with_its_own_after():
+    """``enable()`` and a block inside it share their hooks when they select alike (so that
+    compiled graphs serve both): each stores with its own options while it is innermost."""
+    model, x = mlp(), mlp_input()
+    expected = train_step(model, x, contextlib.nullcontext())
+    stored = []
+    bitsparse.enable(**OPTIONS)
+    try:
+        inner = bitsparse.compressing(**OPTIONS, sign_pack=True)
+        for ctx in (contextlib.nullcontext(), inner, contextlib.nullcontext()):
+            assert_same_grads(train_step(model, x, ctx), expected)
+            s = bitsparse.stats()
+            assert s.tensors_compressed == 2, str(s)
+            stored.append(s.stored_bytes)
+    finally:
+        bitsparse.disable()
+    assert stored[1] < stored[0] == stored[2]
 
 
 def test_enable_inside_a_users_hooks_block_is_refused():
