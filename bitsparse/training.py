@@ -23,9 +23,28 @@ _session = Session()
 _local = threading.local()
 
 
+def _entries() -> list:
+    """The ``_Entry`` of each ``compressing()`` block (and ``enable()``) in effect in this
+    thread, innermost last: per thread and per entry, so that one block object may be
+    entered again inside itself, or by several threads, and blocks may end in any order."""
+    entries = getattr(_local, "entries", None)
+    if entries is None:
+        entries = _local.entries = []
+    return entries
+
+
 def _depth() -> int:
     """``compressing()`` blocks and ``enable()`` in effect in this thread."""
-    return getattr(_local, "depth", 0)
+    return len(_entries())
+
+
+class _Entry:
+    """What one entry of a block did: its compile steering, and whether it pushed its hooks."""
+
+    __slots__ = ("block", "steering", "pushed")
+
+    def __init__(self, block: "compressing"):
+        self.block, self.steering, self.pushed = block, None, False
 
 
 class compressing(torch.autograd.graph.saved_tensors_hooks):
@@ -91,8 +110,6 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
         self.options = _options(capacity, sign_pack, min_numel, select, backend, window, recompute_squares, host_spill)
         self._excluded = _session.excluded_sites()
         super().__init__(*hooks_for(_session, self.options, self._excluded))
-        self._steering: tuple | None = None
-        self._outer_depth, self._pushed, self._outer_options = 0, False, None
 
     def __enter__(self) -> "compressing":
         # The step begins at its first saved tensor, inside the forward, where the host is
@@ -104,33 +121,40 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
             self.pack_hook, self.unpack_hook = hooks_for(_session, self.options, self._excluded)
         # An exception (Ctrl-C) may cut any line below short: the block is then not entered and
         # nothing of it stays on (``with`` calls no __exit__ then). What is pushed is noted in
-        # the statement that pushes it, which nothing can cut (unlike saved_tensors_hooks's
-        # __enter__, a Python function that the flag would have to follow).
-        self._steering, self._outer_depth, self._pushed, self._outer_options = None, _depth(), False, None
+        # the statement that pushes it, which no line of Python can cut short (a signal may
+        # still land as the push returns, as in saved_tensors_hooks's own __enter__).
+        entry = _Entry(self)
         try:
-            self._steering = steer_compiles()
-            self._outer_options = self.pack_hook.use(self.options)
-            self._pushed = _push_hooks(self.pack_hook, self.unpack_hook) or True
-            _local.depth = self._outer_depth + 1
+            entry.steering = steer_compiles()
+            self.pack_hook.use(self.options)
+            entry.pushed = _push_hooks(self.pack_hook, self.unpack_hook) or True
+            _entries().append(entry)
             return self
         except BaseException:
-            self._leave()
+            _leave(entry)
             raise
 
     def __exit__(self, *exc) -> None:
-        self._leave()
+        entries = _entries()
+        # This block's innermost entry in this thread (blocks may end out of order).
+        index = next(i for i in range(len(entries) - 1, -1, -1) if entries[i].block is self)
+        _leave(entries.pop(index))
         _session.poll()
 
-    def _leave(self) -> None:
-        """Undo what ``__enter__`` did, as far as it got."""
-        if self._pushed:
-            torch._C._autograd._pop_saved_tensors_default_hooks()
-            self._pushed = False
-        _local.depth = self._outer_depth
-        if self._outer_options is not None:  # an outer block's, or the last block's: either serves
-            self.pack_hook.use(self._outer_options)
-        stop_steering(self._steering)
-        self._steering = None
+
+def _leave(entry: _Entry) -> None:
+    """Undo what an entry of a block did, as far as it got; point its pack hook at the options
+    of the thread's innermost block still in effect that shares it."""
+    if entry.pushed:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        entry.pushed = False
+    pack_hook = entry.block.pack_hook
+    for outer in reversed(_entries()):
+        if outer.block.pack_hook is pack_hook:
+            pack_hook.use(outer.block.options)
+            break
+    stop_steering(entry.steering)
+    entry.steering = None
 
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks

@@ -164,13 +164,11 @@ class _PackHook(_Hook):
         """The screen and eager pack of each set of options used (built once: a block uses
         them at every step)."""
 
-    def use(self, options: Options) -> Options | None:
-        """Store with ``options`` (which select as this hook's do) from now on; return the
-        options it stored with until now. Hooks are per thread but this hook is shared: two
-        threads that use it at once with different options store with the last one's, as
-        exactly."""
-        before = self.options
-        if options is not before:
+    def use(self, options: Options) -> None:
+        """Store with ``options`` (which select as this hook's do) from now on. Hooks are per
+        thread but this hook is shared: two threads that use it at once with different
+        options store with the last one's, as exactly."""
+        if options is not self.options:
             made = self._by_options.get(options)
             if made is None:
                 if len(self._by_options) >= MAX_OPTION_SETS:
@@ -185,7 +183,6 @@ class _PackHook(_Hook):
             # Last, in one statement: an exception (Ctrl-C) above leaves ``options`` as it
             # was, and the next use does all of this again.
             _installed[self._number], self.options = (self._session, options), options
-        return before
 
 
 def _skipped_by_dynamo(code) -> None:
@@ -221,7 +218,7 @@ def selected(node: torch.fx.Node, options: Options, excluded: frozenset = frozen
     if isinstance(numel, torch.SymInt):
         # A size that varies says nothing of the runs by the one compiled for (the first, or a
         # small last batch): selected, as any size, and a run too large is kept (``Site``).
-        numel = options.min_numel
+        numel = max(options.min_numel, 1)
     if not options.min_numel <= numel <= MAX_NUMEL or numel == 0:
         return False
     if options.select == "relu" and classify_fx_node(node) is not Provenance.RELU:

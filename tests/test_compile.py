@@ -180,9 +180,11 @@ def check_dynamic_shapes(device: torch.device, dtype: torch.dtype) -> None:
     assert counter.frame_count == frames[0] + 1  # once more, for the hooks
 
 
-def test_dynamic_shapes_select_whatever_size_they_were_compiled_for():
-    """A size that varies is selected whatever size the graph was compiled for: compiled
-    first for a batch below ``min_numel``, the graph compresses the larger batches (all of
+@pytest.mark.parametrize("min_numel", [OPTIONS["min_numel"], 0])
+def test_dynamic_shapes_select_whatever_size_they_were_compiled_for(min_numel):
+    """A size that varies is selected whatever size the graph was compiled for (and
+    whatever ``min_numel``, 0 included): compiled first for a batch below ``min_numel``, the
+    graph compresses the larger batches (all of
     them once the small step has left the arena's sizing: it caps the arena for
     ``DEMAND_STEPS`` steps, so that a step like it is never worse off)."""
     model = mlp()
@@ -190,7 +192,8 @@ def test_dynamic_shapes_select_whatever_size_they_were_compiled_for():
     for batch in (2,) + (64,) * (DEMAND_STEPS + 1):
         x = mlp_input(batch=batch)
         expected = train_step(compiled, x, contextlib.nullcontext())
-        assert_same_grads(train_step(compiled, x, bitsparse.compressing(**OPTIONS)), expected)
+        options = {**OPTIONS, "min_numel": min_numel}
+        assert_same_grads(train_step(compiled, x, bitsparse.compressing(**options)), expected)
     assert bitsparse.stats().tensors_compressed == 2
 
 

@@ -1899,6 +1899,34 @@ def test_a_block_inside_enable_stores_with_its_own_options_and_enable_with_its_o
     assert stored[1] < stored[0] == stored[2]
 
 
+def test_a_block_entered_inside_itself_or_ended_out_of_order_leaves_nothing_on():
+    """One ``compressing`` object entered again inside itself, and blocks that end in another
+    order than they began (generators closed in the order they were opened): each entry
+    undoes what it did, and each block stores with its own options while it is in effect."""
+    model, x = mlp(), mlp_input()
+    expected = train_step(model, x, contextlib.nullcontext())
+    block = bitsparse.compressing(**OPTIONS)
+    with block:
+        with block:
+            assert_same_grads(train_step(model, x, contextlib.nullcontext()), expected)
+        assert hooks_installed()
+    assert not hooks_installed()
+
+    def compressed_with(options):
+        with bitsparse.compressing(**OPTIONS, **options):
+            yield
+
+    first, second = compressed_with({}), compressed_with({"sign_pack": True})
+    next(first), next(second)
+    first.close()  # ends before the block that began inside it
+    assert_same_grads(train_step(model, x, contextlib.nullcontext()), expected)
+    assert bitsparse.stats().tensors_compressed == 2
+    second.close()
+    assert not hooks_installed()
+    bitsparse.reset()  # refused while a block is in effect
+    assert_same_grads(train_step(model, x, bitsparse.compressing(**OPTIONS)), expected)
+
+
 def test_enable_inside_a_users_hooks_block_is_refused():
     model, x = mlp(), mlp_input()
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
