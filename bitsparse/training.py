@@ -136,9 +136,11 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
 
     def __exit__(self, *exc) -> None:
         entries = _entries()
-        # This block's innermost entry in this thread (blocks may end out of order).
-        index = next(i for i in range(len(entries) - 1, -1, -1) if entries[i].block is self)
-        _leave(entries.pop(index))
+        # This block's innermost entry in this thread (blocks may end out of order); none if
+        # it ended already (a disable() that Ctrl-C cut short, called again).
+        index = next((i for i in range(len(entries) - 1, -1, -1) if entries[i].block is self), None)
+        if index is not None:
+            _leave(entries.pop(index))
         _session.poll()
 
 

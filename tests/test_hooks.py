@@ -1911,6 +1911,8 @@ def test_a_block_entered_inside_itself_or_ended_out_of_order_leaves_nothing_on()
             assert_same_grads(train_step(model, x, contextlib.nullcontext()), expected)
         assert hooks_installed()
     assert not hooks_installed()
+    block.__exit__(None, None, None)  # ended already (a disable() cut short and called again): nothing
+    assert not hooks_installed()
 
     def compressed_with(options):
         with bitsparse.compressing(**OPTIONS, **options):
