@@ -1918,11 +1918,14 @@ def test_a_block_entered_inside_itself_or_ended_out_of_order_leaves_nothing_on()
         with bitsparse.compressing(**OPTIONS, **options):
             yield
 
+    assert_same_grads(train_step(model, x, bitsparse.compressing(**OPTIONS)), expected)
+    unpacked_bytes = bitsparse.stats().stored_bytes
     first, second = compressed_with({}), compressed_with({"sign_pack": True})
     next(first), next(second)
-    first.close()  # ends before the block that began inside it
+    first.close()  # ends before the block that began inside it, whose options stay in effect
     assert_same_grads(train_step(model, x, contextlib.nullcontext()), expected)
-    assert bitsparse.stats().tensors_compressed == 2
+    s = bitsparse.stats()
+    assert s.tensors_compressed == 2 and s.stored_bytes < unpacked_bytes, str(s)
     second.close()
     assert not hooks_installed()
     bitsparse.reset()  # refused while a block is in effect
