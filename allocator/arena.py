@@ -44,14 +44,19 @@ the next step's device part grows to take them.
 An append that did not fit (or that was only measured: see ``Codec.measure``) still moves
 the cursor, so the cursor's last position is what the step would have needed.
 
+The cursor, the encoders' scratch words and the start words come and go with the buffer:
+an arena without one holds no device memory at all. It measures in host memory instead
+(``next_measure``): the device writes each tile's words there, and the host adds them up
+when it delivers the append, as it reads a report.
+
 Leases tie the arena's contents to their users: while any lease is open, ``begin_step``
 keeps them. Otherwise it sizes both regions to the most that any of the last
 ``DEMAND_STEPS`` steps needed (plus headroom), so that steps of different sizes in turn (a
 longer batch every other step, two models trained by turns) each find room, and empties
 them. The device part never exceeds what the stored tensors of the smallest of those steps
 take dense: a step like any of them then holds less with the arena than it would hold
-without it. The arena starts empty unless given a capacity: a first step only measures, and
-the next one has room for what the first needed.
+without it. The arena starts empty unless given a capacity: a first step only measures (in
+host memory), and the next one has room for what the first needed.
 
 The arena knows nothing of autograd or of the format: it hands out words.
 """
@@ -90,6 +95,8 @@ START_SLOTS = 64
 """Start words made when the first is asked for; more are made between steps as needed."""
 REPORT_SLOTS = 64
 """Report slots made at a time (pinned host memory), when every slot is in use."""
+ALLOCATOR_BLOCK = 512
+"""Bytes PyTorch's caching allocator rounds each device allocation up to a multiple of."""
 MAX_CACHED_VIEWS = 4096
 """Fixed-region views kept for reuse; the cache is emptied when it grows past this."""
 
@@ -186,17 +193,26 @@ class Arena:
         self.window = window
         self.growable = growable
         self.fixed_fraction = fixed_fraction
-        # The cursor, then the encoders' two scratch words (see ValueBuffer).
-        self._counters = torch.zeros(3, dtype=torch.int64, device=self.device)
-        self.cursor, self.appends = self._counters[:1], self._counters[1:]
-        self._device_index = self._counters.get_device()
+        if self._cuda and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._device_index = self.device.index if self._cuda else -1
         self._buffer: torch.Tensor | None = None
+        self._counters: torch.Tensor | None = None
+        self.cursor: torch.Tensor | None = None
+        """The value cursor, a device word made with the buffer (None without one)."""
+        self.appends: torch.Tensor | None = None
+        """The encoders' two scratch words (see ValueBuffer), beside the cursor."""
+        self.tally: torch.Tensor | None = None
+        """A device word beside the cursor for the arena's users to count into (an int64
+        ``[1]``), kept as long as the buffer."""
         self.values: ValueBuffer | None = None
         self._planned: tuple[int, int, int] | None = None
         """Region sizes (fixed, value, spill words) to allocate at the next ``reserve_fixed``."""
         self._lease_refs: list[weakref.ref] = []
         """The leases opened since they were last counted (``open_leases``), by weak reference."""
         self._start_slots: tuple = ()
+        self._wanted_start_slots = START_SLOTS
+        """Start words to make with the next buffer: as many as the last step's appends, plus headroom."""
         self._expected_dense_words = 0
         """What the step's tensors are expected to take dense (see ``begin_step``)."""
         self._demands: collections.deque = collections.deque(maxlen=DEMAND_STEPS)
@@ -206,7 +222,6 @@ class Arena:
         self.spill = spill
         self._spill_refused = False
         """Whether mapping a spill region failed (no room, or a driver that refuses)."""
-        self.resize(capacity_bytes)
         self._report_slots: list[torch.Tensor] = []
         self._report_ends: list = []  # NumPy views of the slots, read without a CUDA call
         self._free_reports: list[int] = []
@@ -214,8 +229,10 @@ class Arena:
         # next_report throttled it (0 when not), and whether it was sure to fit.
         self._claims: list[tuple[int, int, bool]] = []
         self._pending: collections.deque = collections.deque()
-        """(slot, callback or None) of the submitted appends not delivered yet, in order."""
+        """(slot, callback or None) of the submitted appends not delivered yet, in order; for
+        an append measured in host memory (``next_measure``), its tile words in place of a slot."""
         self._empty()
+        self.resize(capacity_bytes)
 
     # -- layout -------------------------------------------------------------------------
 
@@ -231,8 +248,6 @@ class Arena:
         words = capacity_bytes // WORD_BYTES
         fixed = max(1, int(words * self.fixed_fraction)) if words >= 3 else 0
         self._allocate(fixed, max(0, words - fixed - 1))
-        if fixed and len(self._start_slots) < START_SLOTS:
-            self._make_start_slots(START_SLOTS)
 
     @property
     def spills(self) -> bool:
@@ -249,12 +264,16 @@ class Arena:
         warning). The old buffer is released first."""
         if self.leased:
             raise RuntimeError("the arena cannot be resized while its contents are leased")
+        # The step's measured appends end where the old cursor says, which the new one continues.
+        self.drain()
         # Closed first (no fixed words: nothing is handed out of the buffer) and opened last,
         # each in one statement, which an exception (Ctrl-C) cannot cut: an arena it cut short
         # stays closed, and asks for a buffer at the next step.
         self._fixed_capacity, self._requested = 0, (0, 0, 0)
         # Nothing may keep the old buffer alive while the new one is allocated.
         self.values = self._buffer = self._planned = None
+        self._counters = self.cursor = self.appends = self.tally = None
+        self._start_slots = ()
         self._fixed_views: dict[tuple[int, int], torch.Tensor] = {}
         # Read at every append: ints, not properties.
         self._values_capacity = self._device_value_words = self._spill_words = 0
@@ -286,7 +305,13 @@ class Arena:
                 )
         if not spill_words:
             buffer = torch.empty(values_start + value_words + 1, dtype=torch.int32, device=self.device)
-        self._buffer, self.values = buffer, ValueBuffer.over(buffer[values_start:], self._counters)
+        # The cursor, the encoders' two scratch words (see ValueBuffer) and the tally.
+        counters = torch.zeros(4, dtype=torch.int64, device=self.device)
+        if self._last_end:
+            counters[0].fill_(self._last_end)
+        self._make_start_slots(self._wanted_start_slots)
+        self._counters, self.cursor, self.appends, self.tally = counters, counters[:1], counters[1:3], counters[3:]
+        self._buffer, self.values = buffer, ValueBuffer.over(buffer[values_start:], counters[:3])
         self._values_capacity, self._device_value_words = value_words + spill_words, value_words
         self._spill_words = spill_words
         self._fixed_capacity, self._requested = fixed_words, requested  # open: reserve_fixed hands out words
@@ -331,9 +356,10 @@ class Arena:
 
     @property
     def reserved_bytes(self) -> int:
-        """All the device memory the arena holds."""
-        counters = self._counters.numel() * self._counters.element_size()
-        return self.capacity_bytes + counters + 8 * len(self._start_slots)
+        """All the device memory the arena holds: none without a buffer."""
+        if self._counters is None:
+            return self.capacity_bytes
+        return self.capacity_bytes + 8 * (self._counters.numel() + len(self._start_slots))
 
     def reserve_fixed(self, words: int) -> torch.Tensor | None:
         """``words`` int32 words of the fixed region, or None when the region is full."""
@@ -468,9 +494,30 @@ class Arena:
         if self._awaited or not awaited_only:
             self._deliver_arrived()
 
+    def next_measure(self, tiles: int) -> tuple[int, torch.Tensor]:
+        """For an append only measured while the arena holds no device memory (no buffer,
+        hence no cursor): its number among the appends since the arena was emptied (as
+        ``submit`` returns it) and an int32 ``[tiles]`` tensor of host memory the device can
+        write (pinned on CUDA) for the words each tile would take (a codec's
+        ``measure_tiles``). The append ends where the one before it did plus their sum,
+        delivered as a report is, once every tile's words arrived; a first step then asks
+        nothing of the device's memory."""
+        number = self._appends
+        self._appends += 1
+        tile_words = torch.empty(tiles, dtype=torch.int32, pin_memory=self._cuda)
+        tile_words.fill_(-1)  # not written yet: the device writes no negative word
+        self._pending.append((tile_words.numpy(), None))
+        return number, tile_words
+
+    def _arrived(self, slot) -> bool:
+        """Whether the report of a pending append (its slot, or its tile words) arrived."""
+        if isinstance(slot, int):
+            return self._report_ends[slot][0] != 0
+        return slot.min() >= 0
+
     def _deliver_arrived(self) -> None:
-        pending, ends = self._pending, self._report_ends
-        while pending and ends[pending[0][0]][0]:
+        pending = self._pending
+        while pending and self._arrived(pending[0][0]):
             self._deliver(wait=False)
 
     def drain(self) -> None:
@@ -487,14 +534,18 @@ class Arena:
 
     def _deliver(self, wait: bool) -> None:
         slot, callback = self._pending.popleft()
+        if wait and not self._arrived(slot):
+            self._wait_for(slot)
+        if not isinstance(slot, int):  # measured in host memory (next_measure)
+            self._last_end += int(slot.sum())
+            self._ends.append(self._last_end)
+            return
         words, held, sure = self._claims[slot]
         if held:
             self._throttled -= 1
             self._held_words -= held
         if held or callback is not None:
             self._awaited -= 1
-        if wait and not self._report_ends[slot][0]:
-            self._wait_for(slot)
         report = self._report_ends[slot]
         end = int(report[0]) - 1
         report[0] = 0  # a free slot's word is 0 (here, not when it is taken: the forward has less to do)
@@ -511,15 +562,16 @@ class Arena:
         if callback is not None:
             callback(start, end)
 
-    def _wait_for(self, slot: int) -> None:
-        """Spin until the slot's report arrives; after ``REPORT_TIMEOUT_S``, synchronize the
-        device instead (every write of a finished kernel is visible then)."""
+    def _wait_for(self, slot) -> None:
+        """Spin until the report of ``slot`` (as ``_arrived`` takes it) arrives; after
+        ``REPORT_TIMEOUT_S``, synchronize the device instead (every write of a finished
+        kernel is visible then)."""
         deadline = time.monotonic() + REPORT_TIMEOUT_S
-        while not self._report_ends[slot][0]:
+        while not self._arrived(slot):
             if time.monotonic() > deadline:
                 if self._cuda:
                     torch.cuda.synchronize(self.device)
-                if not self._report_ends[slot][0]:
+                if not self._arrived(slot):
                     raise RuntimeError(
                         "an append never reported its end: was it given this arena's report slot "
                         "(next_report) and queued on this device?"
@@ -571,6 +623,9 @@ class Arena:
             return False
         self.drain()
         self._expected_dense_words = dense_words or 0
+        # Every append of the last step (measured ones too) may need a start word in this one.
+        if self._appends > self._wanted_start_slots:
+            self._wanted_start_slots = math.ceil(self._appends * HEADROOM)
         if self.growable and fixed_words is not None:
             demand = (fixed_words, value_words, most_value_words, dense_words)
             if fixed_words:
@@ -580,10 +635,10 @@ class Arena:
             known = [step for step in steps if step[3] is not None]
             self._plan(*most, min(known, key=lambda step: step[3], default=None))
         self._update_hold_allowance()
-        # Every append of the last step (measured ones too) may need a start word in this one.
-        if self._appends > len(self._start_slots):
-            self._make_start_slots(math.ceil(self._appends * HEADROOM))
-        self.cursor.zero_()
+        if self._buffer is not None:
+            if len(self._start_slots) < self._wanted_start_slots:
+                self._make_start_slots(self._wanted_start_slots)
+            self.cursor.zero_()
         self._empty()
         return True
 
@@ -642,8 +697,11 @@ class Arena:
 
         current = self._planned or self._requested
         fixed, values = planned(current[0], fixed_demand), planned(current[1], values_demand)
-        if smallest is not None and fixed + values > smallest[3]:
-            fixed, values = _within_dense(fixed, values, smallest)
+        if smallest is not None:
+            # The rest of what the arena allocates with its buffer counts too.
+            room = max(0, smallest[3] - self._words_beside_regions())
+            if fixed + values > room:
+                fixed, values = _within_dense(fixed, values, (*smallest[:3], room))
         if not fixed:  # no buffer: the step stores nothing
             values = 0
         spill = 0
@@ -659,6 +717,13 @@ class Arena:
         if plan != current:
             self._allocate(0, 0)  # released now, allocated when first needed
             self._planned = plan
+
+    def _words_beside_regions(self) -> int:
+        """The most device memory (in words) a buffer comes with beside its regions: the
+        counters, the start words, the value region's alignment and guard, each allocation
+        rounded up to the caching allocator's 512-byte blocks."""
+        start_bytes = -(-8 * self._wanted_start_slots // ALLOCATOR_BLOCK) * ALLOCATOR_BLOCK
+        return (ALLOCATOR_BLOCK + start_bytes + 2 * ALLOCATOR_BLOCK) // WORD_BYTES
 
 
 def _within_dense(fixed: int, values: int, smallest: tuple) -> tuple[int, int]:

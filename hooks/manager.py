@@ -374,13 +374,10 @@ class Session:
         if square is not None:
             square = site.in_memory_order(square)
         fixed = arena.reserve_fixed(site.fixed_words)
-        slot, report, sure = arena.next_report(site.max_value_words, site.dense_words if fixed is not None else 0)
         if fixed is None:
-            site.codec.measure(
-                x, arena.cursor, arena.appends, site.spec, self._geometry, site.sign_pack, report, square
-            )
-            collector.appends.append((arena, arena.submit(slot), site, False))
+            self._measure(arena, site, x, square)
             return self._kept_dense(t, site, "arena_full")
+        slot, report, sure = arena.next_report(site.max_value_words, site.dense_words)
         if site.values is not arena.values:
             site.prepare(arena.values, self._geometry, report is not None)
         base = arena.next_start()
@@ -397,6 +394,20 @@ class Session:
             t.record_stream(arena.stream)
         collector.leased = True
         return handle
+
+    def _measure(self, arena: Arena, site: Site, x: torch.Tensor, square: torch.Tensor | None) -> None:
+        """Measure ``x`` (and write ``square``, as ``_store`` says) for the arena to grow for
+        the next step: on the device, on its cursor, where it has a buffer; else in host
+        memory, so that an arena without one (a first step's) still holds no device memory."""
+        spec, geometry = site.spec, self._geometry
+        if arena.cursor is None:
+            number, tile_words = arena.next_measure(geometry.num_tiles(site.numel))
+            site.codec.measure_tiles(x, tile_words, spec, geometry, site.sign_pack, square)
+        else:
+            slot, report, _ = arena.next_report(site.max_value_words, 0)
+            site.codec.measure(x, arena.cursor, arena.appends, spec, geometry, site.sign_pack, report, square)
+            number = arena.submit(slot)
+        self._collector.appends.append((arena, number, site, False))
 
     def _kept_dense(self, t: torch.Tensor, site: Site, reason: str) -> StoredTensor:
         """A handle keeping ``t`` as it is, a fallback for ``reason``."""

@@ -119,7 +119,7 @@ class StepCollector:
         screen, which adds to plain ints (cheaper than the dict); ``finish`` adds them in."""
         self.fallbacks: defaultdict[str, int] = defaultdict(int)
         self.nonzeros: dict[object, torch.Tensor] = {}
-        """Per arena, the device counter its encoders add their stored elements to."""
+        """Per arena, the device word its encoders add their stored elements to (its tally)."""
         self.leased = False
         """Whether a tensor of this step was stored in an arena (not only measured)."""
         self.holds = False
@@ -131,11 +131,12 @@ class StepCollector:
         the step compressed is counted from them once, at its end, not at each store."""
 
     def nonzeros_counter(self, arena) -> torch.Tensor:
-        """The device counter the encoders of this step add their stored elements to, for
-        the appends to ``arena`` (keyed by the arena, whose hash costs less than a device's)."""
+        """The device word the encoders of this step add their stored elements to, for the
+        appends to ``arena`` (keyed by the arena, whose hash costs less than a device's):
+        its tally, zeroed at the step's first use (one it comes with, not one more allocation)."""
         counter = self.nonzeros.get(arena)
         if counter is None:
-            counter = self.nonzeros[arena] = torch.zeros(1, dtype=torch.int64, device=arena.device)
+            counter = self.nonzeros[arena] = arena.tally.zero_()
         return counter
 
     def demand(self) -> dict:

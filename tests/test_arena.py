@@ -32,7 +32,7 @@ from bitsparse.compressed import compress_into
 from bitsparse.format import dtype_spec
 
 GEOMETRY = TileGeometry()
-COUNTER_BYTES = 3 * 8
+COUNTER_BYTES = 4 * 8  # the cursor, the encoders' two scratch words and the tally
 """The arena's cursor and the encoders' two scratch words."""
 
 
@@ -57,6 +57,13 @@ class Store:
 
     def __call__(self, x: torch.Tensor):
         fixed = self.arena.reserve_fixed(fixed_words(x.numel()))
+        if fixed is None and self.arena.cursor is None:  # no buffer: measured in host memory
+            number, tile_words = self.arena.next_measure(GEOMETRY.num_tiles(x.numel()))
+            torch_codec.measure_tiles(x, tile_words, dtype_spec(x.dtype), GEOMETRY, False)
+            self.arena.drain()
+            ends = self.arena.ends()
+            self.reports.append((ends[number - 1] if number else 0, ends[number]))
+            return None
         max_words = GEOMETRY.max_stream_words(x.numel(), 32)
         slot, report, sure = self.arena.next_report(max_words, max_words if fixed is not None else 0)
         assert (report, sure) == (None, False), "on the CPU, submit reads the cursor itself"
@@ -98,12 +105,17 @@ def test_initial_layout():
     assert not arena.leased
 
 
-def test_an_arena_without_capacity_holds_only_its_counters():
+def test_an_arena_without_capacity_holds_nothing():
+    """No buffer, no counters or start words either: a first step's arena holds no memory."""
     arena = Arena("cpu")
     assert arena.capacity_bytes == 0 and arena.values is None and arena.fixed_capacity_words == 0
-    assert arena.reserved_bytes == COUNTER_BYTES
+    assert arena.reserved_bytes == 0 and arena.cursor is None and arena.tally is None
     assert arena.reserve_fixed(1) is None
     assert arena.usage().fixed_demand == WORD_BYTES
+    arena.resize(4096)
+    assert arena.reserved_bytes == 4096 + COUNTER_BYTES + 8 * START_SLOTS
+    arena.resize(0)
+    assert arena.reserved_bytes == 0 and arena.cursor is None
 
 
 def test_capacity_rounds_down_to_words():
@@ -186,7 +198,7 @@ def test_reserve_fixed_reuses_a_span_view_across_steps():
 
 
 def test_start_words_are_distinct_within_a_step_and_grow_for_the_next():
-    arena = Arena("cpu", 1 << 16)
+    arena = Arena("cpu", 1 << 16, growable=False)  # the same buffer
     store = Store(arena)
     for i in range(START_SLOTS + 3):
         store(relu_like(1, 0.0, i))
@@ -260,6 +272,19 @@ def test_measured_tensors_move_the_cursor_as_stored_ones_would():
     assert [end - start for start, end in measured.reports] == [int(c.stream_words()) for c in compressed]
     assert empty.usage().values_demand == roomy.usage().values_demand
     assert empty.usage().fixed_demand == roomy.usage().fixed_demand
+
+
+def test_a_buffer_made_after_host_measures_continues_their_cursor():
+    """Measured without a buffer (in host memory), then stored into one made in the same
+    step: the appends' ends go on from where the measured ones ended."""
+    arena = Arena("cpu")
+    store = Store(arena)
+    assert [store(relu_like(5000, 0.5, i)) for i in range(2)] == [None, None]
+    end = store.reports[-1][1]
+    assert end > 0 and arena.reserved_bytes == 0
+    arena.resize(1 << 16)
+    c = store(relu_like(4096, 0.5))
+    assert store.reports[-1] == (end, end + int(c.stream_words())) and int(c.base) == end
 
 
 def test_peak_after_overflow_is_at_most_what_the_regions_hold():

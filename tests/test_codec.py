@@ -797,6 +797,20 @@ def test_measure_moves_the_cursor_as_encode_does(dtype, sign_pack):
         assert counters[1:].tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("sign_pack", [False, True], ids=["raw", "signpack"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_measure_tiles_gives_each_tile_the_words_encode_gives_it(dtype, sign_pack):
+    """Each tile's words are those of the tile compressed alone; nothing else is written."""
+    g = generator("measure_tiles", dtype, sign_pack)
+    x = make_input(4 * 4096 + 5, dtype, 0.6, g)
+    x[4096 : 2 * 4096] = 0  # a tile with nothing to store
+    codec = get_codec(BACKEND, torch.device("cpu"))
+    tile_words = torch.full((6,), -7, dtype=torch.int32)
+    codec.measure_tiles(x, tile_words[:5], dtype_spec(dtype), TileGeometry(), sign_pack)
+    alone = [int(compress(tile, sign_pack=sign_pack, backend=BACKEND).stream_words()) for tile in x.split(4096)]
+    assert tile_words.tolist() == alone + [-7] and alone[1] == 0
+
+
 def relu_square_input(dtype: torch.dtype, seed, numel: int = 3 * 4096 + 18) -> torch.Tensor:
     """Random bit patterns (every sign, NaN payload and subnormal), half of them zeros, and
     -0.0, NaNs of both signs and both infinities among them."""
@@ -830,4 +844,9 @@ def test_relu_square_stores_the_relu_and_writes_its_square(dtype, sign_pack):
     codec = get_codec(BACKEND, x.device)
     codec.measure(x, counters[:1], counters[1:], dtype_spec(dtype), TileGeometry(), sign_pack, relu_square=measured)
     assert int(counters[0]) == int(plain.stream_words())
+    assert_bitwise_equal(measured, square)
+    tile_words = torch.empty(TileGeometry().num_tiles(x.numel()), dtype=torch.int32)
+    measured = torch.empty_like(x)
+    codec.measure_tiles(x, tile_words, dtype_spec(dtype), TileGeometry(), sign_pack, relu_square=measured)
+    assert int(tile_words.sum()) == int(plain.stream_words())
     assert_bitwise_equal(measured, square)

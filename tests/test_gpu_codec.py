@@ -375,6 +375,15 @@ def test_relu_square_is_the_compiled_relu_square(dtype, sign_pack, monkeypatch):
     spec = dtype_spec(dtype)
     triton_codec.measure(x, counters[:1], counters[1:], spec, TileGeometry(), sign_pack, relu_square=measured)
     assert_bitwise_equal(measured, square_of_relu(x))
+    # Measured per tile into pinned host memory, as an arena without a buffer measures.
+    tile_words = torch.full((TileGeometry().num_tiles(x.numel()),), -1, dtype=torch.int32, pin_memory=True)
+    measured = torch.empty_like(x)
+    triton_codec.measure_tiles(x, tile_words, spec, TileGeometry(), sign_pack, relu_square=measured)
+    torch.cuda.synchronize()
+    assert_bitwise_equal(measured, square_of_relu(x))
+    reference = torch.empty_like(tile_words)
+    torch_codec.measure_tiles(x.cpu(), reference, spec, TileGeometry(), sign_pack)
+    assert torch.equal(tile_words, reference) and int(tile_words.sum()) == int(counters[0])
 
 
 @pytest.mark.parametrize("sign_pack", [False, True], ids=["raw", "signpack"])

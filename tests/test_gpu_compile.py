@@ -3,7 +3,7 @@ model without it, no host synchronization in a compiled step, and no step above 
 
 import pytest
 import torch
-from test_gpu_hooks import ARENA_COUNTERS, _step_peaks, small_gpt, step_without_host_synchronization
+from test_gpu_hooks import _step_peaks, small_gpt, step_without_host_synchronization
 
 import bitsparse
 from bitsparse.bench.training import deterministic_kernels
@@ -157,6 +157,6 @@ def test_no_compiled_step_peaks_above_compiled_dense():
     peaks = _step_peaks(model, loss_fn, lambda: bitsparse.compressing(min_numel=1024), 4)
     assert bitsparse.stats().tensors_compressed == 3
     # The first step keeps a copy of each tensor it measures (the compiled graph reuses the
-    # memory it was in), and saves no square: it measures, no higher than dense.
-    assert peaks[0] <= dense[2] + ARENA_COUNTERS, (peaks, dense)
+    # memory it was in), and saves no square: it measures (in host memory), no higher than dense.
+    assert peaks[0] <= dense[2], (peaks, dense)
     assert all(peak < dense[2] for peak in peaks[1:]), (peaks, dense)

@@ -367,6 +367,22 @@ def test_measure_moves_the_cursor_as_encode_does(dtype, sign_pack):
 
 
 @pytest.mark.parametrize("sign_pack", [False, True], ids=["raw", "signpack"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_measure_tiles_matches_the_reference(dtype, sign_pack):
+    """The Triton ``measure_tiles`` writes the torch codec's words for every tile, the last
+    one partial, and nothing past them."""
+    g = generator("measure_tiles-triton", dtype, sign_pack)
+    for numel, zeros in ((9 * 4096 + 3, 0.9), (5000, 0.5), (1, 0.0), (4096, 1.0)):
+        x = make_input(numel, dtype, zeros, g)
+        tiles = TileGeometry().num_tiles(numel)
+        words = torch.full((2, tiles + 1), -7, dtype=torch.int32)
+        for codec, row in zip((triton_codec, torch_codec), words):
+            codec.measure_tiles(x, row[:tiles], dtype_spec(dtype), TileGeometry(), sign_pack)
+        assert torch.equal(words[0], words[1]) and int(words[0, -1]) == -7
+        assert int(words[0, :tiles].sum()) == int(compress(x, sign_pack=sign_pack, backend="torch").stream_words())
+
+
+@pytest.mark.parametrize("sign_pack", [False, True], ids=["raw", "signpack"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=dtype_id)
 def test_relu_square_matches_the_reference(dtype, sign_pack):
     """The Triton encoder's and measure's ``relu_square``: the ReLU stored as the torch codec
@@ -394,3 +410,10 @@ def test_relu_square_matches_the_reference(dtype, sign_pack):
     triton_codec.measure(x, counters[:1], counters[1:], spec, TileGeometry(), sign_pack, relu_square=measured)
     assert int(counters[0]) == int(cr.stream_words())
     assert_bitwise_equal(measured, square_t)
+    tile_words = torch.empty((2, TileGeometry().num_tiles(x.numel())), dtype=torch.int32)
+    for codec, words in zip((triton_codec, torch_codec), tile_words):
+        measured = torch.empty_like(x)
+        codec.measure_tiles(x, words, spec, TileGeometry(), sign_pack, relu_square=measured)
+        if codec is triton_codec or dtype != torch.bfloat16:
+            assert_bitwise_equal(measured, square_t)
+    assert torch.equal(tile_words[0], tile_words[1]) and int(tile_words[0].sum()) == int(cr.stream_words())

@@ -32,6 +32,12 @@ relu_square=None)``
     does; writes nothing else. An allocator measures what it has no room for, to size itself
     for the next step.
 
+``measure_tiles(x, tile_words, spec, geometry, sign_pack, relu_square=None)``
+    Writes into ``tile_words`` (int32, one element per tile of ``x``; memory the device can
+    write, pinned host memory included) the stream words ``encode`` would append for each
+    tile, and ``relu_square`` as ``encode`` does; writes nothing else, and needs no
+    counters: an allocator that holds no device memory yet measures with it.
+
 ``decode(fixed, stream, base, out, spec, geometry, sign_pack, square=None, square_grad=None)``
     Writes every element of ``out`` (a contiguous tensor of ``spec.dtype``, restored in
     flattened order). ``sign_pack`` says whether packed tiles may occur (a fast path when
@@ -119,6 +125,16 @@ class Codec(Protocol):
         geometry: TileGeometry,
         sign_pack: bool,
         report: torch.Tensor | None = None,
+        relu_square: torch.Tensor | None = None,
+    ) -> None: ...
+
+    def measure_tiles(
+        self,
+        x: torch.Tensor,
+        tile_words: torch.Tensor,
+        spec: DTypeSpec,
+        geometry: TileGeometry,
+        sign_pack: bool,
         relu_square: torch.Tensor | None = None,
     ) -> None: ...
 

@@ -108,6 +108,13 @@ def measure(x, cursor, appends, spec, geometry, sign_pack, report=None, relu_squ
         report.copy_(cursor + 1, non_blocking=True)
 
 
+def measure_tiles(x, tile_words, spec, geometry, sign_pack, relu_square=None):
+    if relu_square is not None:
+        x = relu_and_square(x, relu_square)
+    padded, nonzero = _tiles(x, spec, geometry)
+    tile_words.copy_(_stream_lengths(padded, nonzero, spec, sign_pack)[3], non_blocking=True)
+
+
 def encode(
     x, fixed, stream, cursor, appends, base, spec, geometry, sign_pack, nonzeros=None, report=None, relu_square=None
 ):

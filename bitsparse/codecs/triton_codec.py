@@ -26,6 +26,7 @@ square and the gradient of a ReLU's input in its place).
 Measuring (``measure``) counts each tile's stored values, as the encoder does, and claims the
 words they would take, eight tiles to a program with one atomic per program; it ends the append as
 the encoder does (the cursor moves, the report is written) and writes nothing else.
+``measure_tiles`` stores each tile's words instead, with plain stores: no counters, no atomics.
 
 The kernels are launched through their compiled form (``_Launcher``), which skips most of
 the host time of a Triton launch.
@@ -84,7 +85,7 @@ _DECODE_UNSPECIALIZED = ["base_ptr", "num_tiles"]
 
 MEASURE_TILES_PER_PROGRAM = 8
 """Tiles a measuring program counts before it adds their words to the claim, in one atomic."""
-_MEASURE_UNSPECIALIZED = ["cursor_ptr", "appends_ptr", "report_ptr", "num_programs"]
+_MEASURE_UNSPECIALIZED = ["cursor_ptr", "appends_ptr", "report_ptr", "tile_words_ptr", "num_programs"]
 
 
 @triton.jit
@@ -365,6 +366,7 @@ def _measure_kernel(
     appends_ptr,
     report_ptr,
     square_ptr,
+    tile_words_ptr,
     numel,
     num_programs,
     TILE: tl.constexpr,
@@ -373,15 +375,19 @@ def _measure_kernel(
     SIGN_PACK: tl.constexpr,
     REPORT: tl.constexpr,
     RELU_SQUARE: tl.constexpr,
+    PER_TILE: tl.constexpr,
 ):
-    """Claim the words ``_encode_kernel`` would append for ``TILES_PER_PROGRAM`` tiles, and
-    end the append as it does: the cursor moves, nothing else is written but the square of
+    """Count the words ``_encode_kernel`` would append for ``TILES_PER_PROGRAM`` tiles: with
+    ``PER_TILE``, store each tile's at ``tile_words_ptr``; else claim them and end the append
+    as the encoder does (the cursor moves). Nothing else is written but the square of
     ``RELU_SQUARE``."""
     offsets = tl.arange(0, TILE)
-    base = tl.load(cursor_ptr)
+    if not PER_TILE:
+        base = tl.load(cursor_ptr)
     words = tl.zeros([], dtype=tl.int32)
     for i in tl.static_range(TILES_PER_PROGRAM):
-        index = (tl.program_id(0) * TILES_PER_PROGRAM + i) * TILE + offsets
+        tile = tl.program_id(0) * TILES_PER_PROGRAM + i
+        index = tile * TILE + offsets
         x = _load_bits(x_ptr, square_ptr, index, index < numel, BITS, RELU_SQUARE)
         nonzero = x != 0
         count = tl.sum(nonzero.to(tl.int32), axis=0)
@@ -389,9 +395,13 @@ def _measure_kernel(
             width = tl.where(tl.max(tl.where(nonzero & (x < 0), 1, 0)) == 0, BITS - 1, BITS)
         else:
             width = BITS
-        words += (count * width + 31) // 32
-    tl.atomic_add(appends_ptr, words.to(tl.int64), sem="relaxed")
-    finish_append(appends_ptr, cursor_ptr, report_ptr, base, num_programs, REPORT)
+        if PER_TILE:
+            tl.store(tile_words_ptr + tile, (count * width + 31) // 32, mask=tile * TILE < numel)
+        else:
+            words += (count * width + 31) // 32
+    if not PER_TILE:
+        tl.atomic_add(appends_ptr, words.to(tl.int64), sem="relaxed")
+        finish_append(appends_ptr, cursor_ptr, report_ptr, base, num_programs, REPORT)
 
 
 INTERPRETED = isinstance(_decode_kernel, InterpretedFunction)
@@ -800,11 +810,36 @@ def measure(x, cursor, appends, spec, geometry, sign_pack, report=None, relu_squ
         if report is not None:
             report.copy_(cursor + 1, non_blocking=True)
         return
-    tile = geometry.tile_size
+    _launch_measure(x, cursor, appends, report, None, spec, geometry, sign_pack, relu_square)
+
+
+def measure_tiles(x, tile_words, spec, geometry, sign_pack, relu_square=None):
+    x = _kernel_view(x)
+    if x.numel():
+        _launch_measure(x, None, None, None, tile_words, spec, geometry, sign_pack, relu_square)
+
+
+def _launch_measure(x, cursor, appends, report, tile_words, spec, geometry, sign_pack, relu_square):
+    """Launch ``_measure_kernel`` over ``x`` (not empty): per tile into ``tile_words`` when
+    given, else into ``cursor`` (and ``report``)."""
+    numel, tile = x.numel(), geometry.tile_size
     programs = -(-numel // (tile * MEASURE_TILES_PER_PROGRAM))
     square = x if relu_square is None else relu_square
-    constexprs = (tile, spec.bits, MEASURE_TILES_PER_PROGRAM, sign_pack, report is not None, relu_square is not None)
-    args = (x, cursor, appends, cursor if report is None else report, square, numel, programs) + constexprs
+    if tile_words is None:  # the pointers of the other mode are passed where the kernel reads none
+        pointers = (x, cursor, appends, cursor if report is None else report, square, cursor)
+    else:
+        pointers = (x, tile_words, tile_words, tile_words, square, tile_words)
+    per_tile = tile_words is not None
+    constexprs = (
+        tile,
+        spec.bits,
+        MEASURE_TILES_PER_PROGRAM,
+        sign_pack,
+        report is not None,
+        relu_square is not None,
+        per_tile,
+    )
+    args = pointers + (numel, programs) + constexprs
     key = (x.dtype, _aligned(x), _aligned(square), _int_class(numel)) + constexprs
     _measure_launcher(programs, x.get_device(), key, args)
 
