@@ -46,8 +46,8 @@ the cursor, so the cursor's last position is what the step would have needed.
 
 The cursor, the encoders' scratch words and the start words come and go with the buffer:
 an arena without one holds no device memory at all. It measures in host memory instead
-(``next_measure``): the device writes each tile's words there, and the host adds them up
-when it delivers the append, as it reads a report.
+(``next_measure``): the device writes each tile's words there, and ``drain`` adds them up
+once they have all arrived.
 
 Leases tie the arena's contents to their users: while any lease is open, ``begin_step``
 keeps them. Otherwise it sizes both regions to the most that any of the last
@@ -229,8 +229,13 @@ class Arena:
         # next_report throttled it (0 when not), and whether it was sure to fit.
         self._claims: list[tuple[int, int, bool]] = []
         self._pending: collections.deque = collections.deque()
-        """(slot, callback or None) of the submitted appends not delivered yet, in order; for
-        an append measured in host memory (``next_measure``), its tile words in place of a slot."""
+        """(slot, callback or None) of the submitted appends not delivered yet, in order."""
+        self._measured: collections.deque = collections.deque()
+        """The tile words (NumPy views) of the appends measured in host memory and not
+        delivered yet, in order. ``drain`` delivers them, before any report: an arena
+        measures so only while it has no buffer, and drains before it makes one."""
+        self._measuring: dict[int, torch.Tensor] = {}
+        """Tile words handed out by ``next_measure`` and not submitted, by id."""
         self._empty()
         self.resize(capacity_bytes)
 
@@ -494,34 +499,38 @@ class Arena:
         if self._awaited or not awaited_only:
             self._deliver_arrived()
 
-    def next_measure(self, tiles: int) -> tuple[int, torch.Tensor]:
+    def next_measure(self, tiles: int) -> torch.Tensor:
         """For an append only measured while the arena holds no device memory (no buffer,
-        hence no cursor): its number among the appends since the arena was emptied (as
-        ``submit`` returns it) and an int32 ``[tiles]`` tensor of host memory the device can
-        write (pinned on CUDA) for the words each tile would take (a codec's
-        ``measure_tiles``). The append ends where the one before it did plus their sum,
-        delivered as a report is, once every tile's words arrived; a first step then asks
-        nothing of the device's memory."""
+        hence no cursor): an int32 ``[tiles]`` tensor of host memory the device can write
+        (pinned on CUDA) for the words each tile would take (a codec's ``measure_tiles``),
+        to give ``submit_measure`` once the codec was called. A first step then asks nothing
+        of the device's memory."""
+        tile_words = torch.empty(tiles, dtype=torch.int32, pin_memory=self._cuda).fill_(-1)  # -1: not written
+        # Held until its words are delivered: the device may write them after the caller let
+        # go (an exception between the launch and submit_measure), and memory PyTorch reused
+        # meanwhile would receive them.
+        self._measuring[id(tile_words)] = tile_words
+        return tile_words
+
+    def submit_measure(self, tile_words: torch.Tensor) -> int:
+        """Submit the append measured into ``tile_words`` (from ``next_measure``); return its
+        number, as ``submit`` does. It ends where the one before it did plus the words' sum,
+        which ``drain`` delivers once every tile's words arrived."""
+        del self._measuring[id(tile_words)]
         number = self._appends
         self._appends += 1
-        tile_words = torch.empty(tiles, dtype=torch.int32, pin_memory=self._cuda)
-        tile_words.fill_(-1)  # not written yet: the device writes no negative word
-        self._pending.append((tile_words.numpy(), None))
-        return number, tile_words
-
-    def _arrived(self, slot) -> bool:
-        """Whether the report of a pending append (its slot, or its tile words) arrived."""
-        if isinstance(slot, int):
-            return self._report_ends[slot][0] != 0
-        return slot.min() >= 0
+        self._measured.append(tile_words.numpy())  # the array holds the tensor
+        return number
 
     def _deliver_arrived(self) -> None:
-        pending = self._pending
-        while pending and self._arrived(pending[0][0]):
+        pending, ends = self._pending, self._report_ends
+        while pending and ends[pending[0][0]][0]:
             self._deliver(wait=False)
 
     def drain(self) -> None:
         """Deliver every outstanding report, waiting for the GPU if needed."""
+        while self._measured:
+            self._deliver_measured()
         while self._pending:
             self._deliver(wait=True)
 
@@ -534,25 +543,24 @@ class Arena:
 
     def _deliver(self, wait: bool) -> None:
         slot, callback = self._pending.popleft()
-        if wait and not self._arrived(slot):
-            self._wait_for(slot)
-        if not isinstance(slot, int):  # measured in host memory (next_measure)
-            self._last_end += int(slot.sum())
-            self._ends.append(self._last_end)
-            return
         words, held, sure = self._claims[slot]
         if held:
             self._throttled -= 1
             self._held_words -= held
         if held or callback is not None:
             self._awaited -= 1
+        if wait and not self._report_ends[slot][0]:
+            self._wait_for(slot)
         report = self._report_ends[slot]
         end = int(report[0]) - 1
         report[0] = 0  # a free slot's word is 0 (here, not when it is taken: the forward has less to do)
         self._unreported_words -= words
         self._free_reports.append(slot)
-        start, self._last_end = self._last_end, end
+        # The end first: an exception (Ctrl-C) between the two leaves ``_last_end`` one append
+        # behind, which the next delivery sets right (and only makes appends less sure until
+        # then), where an end missing from ``ends`` would give the next append two appends' words.
         self._ends.append(end)
+        start, self._last_end = self._last_end, end
         if sure and end > self._values_capacity:
             raise RuntimeError(
                 f"BitSparse: an append the arena was sure of ended at word {end}, past the value region's "
@@ -562,16 +570,30 @@ class Arena:
         if callback is not None:
             callback(start, end)
 
-    def _wait_for(self, slot) -> None:
-        """Spin until the report of ``slot`` (as ``_arrived`` takes it) arrives; after
-        ``REPORT_TIMEOUT_S``, synchronize the device instead (every write of a finished
-        kernel is visible then)."""
+    def _deliver_measured(self) -> None:
+        tile_words = self._measured.popleft()
+        if tile_words.min() < 0:  # the device writes no negative word: some are still to come
+            self._spin_until(lambda: tile_words.min() >= 0)
+        # From the last end delivered, which an exception (Ctrl-C) cannot leave behind
+        # ``_last_end`` (it is recorded first; see _deliver).
+        end = (self._ends[-1] if self._ends else 0) + int(tile_words.sum())
+        self._ends.append(end)
+        self._last_end = end
+
+    def _wait_for(self, slot: int) -> None:
+        """Spin until the slot's report arrives (see ``_spin_until``)."""
+        report = self._report_ends[slot]
+        self._spin_until(lambda: report[0] != 0)
+
+    def _spin_until(self, arrived: Callable[[], bool]) -> None:
+        """Spin until a report has arrived (``arrived()``); after ``REPORT_TIMEOUT_S``,
+        synchronize the device instead (every write of a finished kernel is visible then)."""
         deadline = time.monotonic() + REPORT_TIMEOUT_S
-        while not self._arrived(slot):
+        while not arrived():
             if time.monotonic() > deadline:
                 if self._cuda:
                     torch.cuda.synchronize(self.device)
-                if not self._arrived(slot):
+                if not arrived():
                     raise RuntimeError(
                         "an append never reported its end: was it given this arena's report slot "
                         "(next_report) and queued on this device?"
@@ -610,14 +632,15 @@ class Arena:
         demand is known, plans each region at the most that any of the last ``DEMAND_STEPS``
         steps that stored anything asked of it, times ``HEADROOM``, when that is above
         ``GROW_WHEN_ABOVE`` of its size or under half of it. Both device regions together
-        take at most the fewest dense words of those steps and of the last one: where they
-        would take more, that smallest step keeps room for its own demand, and the rest goes
-        to the fixed region first (see ``_within_dense``); no buffer after a step that
-        stored nothing. The spill region's demand is the most value words less the
-        value region's device part, capped at this device's share of ``SPILL_SHARE_OF_HOST``
-        of the host's available memory. A region that changes is released now and allocated
-        again at the first ``reserve_fixed``. The step's hold allowance is ``dense_words``
-        less the arena's device memory.
+        take at most the fewest dense words of those steps and of the last one, less what
+        comes with a buffer (``_words_beside_regions``): where they would take more, that
+        smallest step keeps room for its own demand, and the rest goes to the fixed region
+        first (see ``_within_dense``); no buffer after a step that stored nothing. The spill
+        region's demand is the most value words less the value region's device part, capped
+        at this device's share of ``SPILL_SHARE_OF_HOST`` of the host's available memory. A
+        region that changes is released now and allocated again at the first
+        ``reserve_fixed``. The step's hold allowance is ``dense_words`` less the arena's
+        device memory.
         """
         if self.leased:
             return False

@@ -124,14 +124,16 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
         # nothing of it stays on (``with`` calls no __exit__ then). What is pushed is noted in
         # the statement that pushes it, which no line of Python can cut short (a signal may
         # still land as the push returns, as in saved_tensors_hooks's own __enter__).
-        entry = _Entry(self)
+        entry, entries = _Entry(self), _entries()
         try:
             entry.steering = steer_compiles()
             self.pack_hook.use(self.options)
             entry.pushed = _push_hooks(self.pack_hook, self.unpack_hook) or True
-            _entries().append(entry)
+            entries.append(entry)
             return self
         except BaseException:
+            if entries and entries[-1] is entry:  # appended, then cut short on the way out
+                entries.pop()
             _leave(entry)
             raise
 

@@ -401,8 +401,9 @@ class Session:
         memory, so that an arena without one (a first step's) still holds no device memory."""
         spec, geometry = site.spec, self._geometry
         if arena.cursor is None:
-            number, tile_words = arena.next_measure(geometry.num_tiles(site.numel))
+            tile_words = arena.next_measure(geometry.num_tiles(site.numel))
             site.codec.measure_tiles(x, tile_words, spec, geometry, site.sign_pack, square)
+            number = arena.submit_measure(tile_words)
         else:
             slot, report, _ = arena.next_report(site.max_value_words, 0)
             site.codec.measure(x, arena.cursor, arena.appends, spec, geometry, site.sign_pack, report, square)

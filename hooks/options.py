@@ -20,12 +20,13 @@ class Options:
 
     Attributes:
         capacity: the arena's size per device when it is made or when this value changes:
-            "auto" (nothing at first: the first step measures what it would store and keeps
-            it dense, so it peaks no higher than without BitSparse), a number of bytes (an int
-            >= 4096), or a fraction of the device's free memory (a float in (0, 1]; available
-            RAM on the CPU). Either way the arena then follows demand between steps: it is
-            resized to what the last step needed plus 15% when that came close to its size
-            or used less than half of it. Tensors that do not fit are kept dense (exactly).
+            "auto" (nothing at first: the first step measures what it would store, in host
+            memory, and keeps it dense, so it peaks no higher than without BitSparse), a
+            number of bytes (an int >= 4096), or a fraction of the device's free memory (a
+            float in (0, 1]; available RAM on the CPU). Either way the arena then follows
+            demand between steps: it is resized to what the last step needed plus 15% when
+            that came close to its size or used less than half of it. Tensors that do not
+            fit are kept dense (exactly).
         sign_pack: drop the sign bit of ReLU-family values (never lossy: see ``compress``).
         min_numel: tensors with fewer elements are kept as they are.
         select: "relu" compresses tensors that ReLU-family ops produced (and their squares),

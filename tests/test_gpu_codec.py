@@ -381,8 +381,8 @@ def test_relu_square_is_the_compiled_relu_square(dtype, sign_pack, monkeypatch):
     triton_codec.measure_tiles(x, tile_words, spec, TileGeometry(), sign_pack, relu_square=measured)
     torch.cuda.synchronize()
     assert_bitwise_equal(measured, square_of_relu(x))
-    reference = torch.empty_like(tile_words)
-    torch_codec.measure_tiles(x.cpu(), reference, spec, TileGeometry(), sign_pack)
+    reference, host = torch.empty_like(tile_words), x.cpu()
+    torch_codec.measure_tiles(host, reference, spec, TileGeometry(), sign_pack, relu_square=torch.empty_like(host))
     assert torch.equal(tile_words, reference) and int(tile_words.sum()) == int(counters[0])
 
 

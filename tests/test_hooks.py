@@ -1818,22 +1818,23 @@ class CtrlC:
         return self.line
 
 
-def ctrl_c_sweep(interruptions: int) -> int:
+def ctrl_c_sweep(interruptions: int, options: dict = OPTIONS, whole_steps: int = 1) -> int:
     """Interrupt a step of the MLP at ``interruptions`` lines of BitSparse's Python spread
     evenly over all it runs in the step (pack, store, arena allocation, unpack, release), each
-    in a fresh session after one whole step, and check after each that the library goes on
-    working: hooks removed, exact gradients, statistics that add up, every tensor compressed
-    again once the interrupted step has left the arena's sizing, nothing left alive.
-    Returns how many lines the step runs."""
+    in a fresh session after ``whole_steps`` whole steps, and check after each that the
+    library goes on working: hooks removed, exact gradients, statistics that add up, every
+    tensor compressed again once the interrupted step has left the arena's sizing, nothing
+    left alive. Returns how many lines the step runs."""
     model, x = mlp(), mlp_input()
     expected = train_step(model, x, contextlib.nullcontext())
 
     def interrupted_step(tracer: CtrlC) -> None:
         bitsparse.reset()
-        train_step(model, x, bitsparse.compressing(**OPTIONS))  # the next step allocates the arena
+        for _ in range(whole_steps):  # with an explicit capacity, the next step allocates the arena
+            train_step(model, x, bitsparse.compressing(**options))
         sys.settrace(tracer)
         try:
-            train_step(model, x, bitsparse.compressing(**OPTIONS))
+            train_step(model, x, bitsparse.compressing(**options))
         except KeyboardInterrupt:
             pass
         finally:
@@ -1853,7 +1854,7 @@ def ctrl_c_sweep(interruptions: int) -> int:
             # whose size caps the arena for the next DEMAND_STEPS steps (so that such a step is
             # never worse off): fewer tensors may fit until then, all of them after.
             for step in range(DEMAND_STEPS + 2):
-                assert_same_grads(train_step(model, x, bitsparse.compressing(**OPTIONS)), expected)
+                assert_same_grads(train_step(model, x, bitsparse.compressing(**options)), expected)
                 if step:
                     check_consistent(bitsparse.stats())
             s = bitsparse.stats()
@@ -1878,6 +1879,45 @@ def test_ctrl_c_anywhere_in_a_step_leaves_the_library_working():
     bounds spends much of its time there): wherever it lands, the library goes on working.
     Here at 60 places spread over the step; ``ctrl_c_sweep(lines)`` tries every line."""
     assert ctrl_c_sweep(60) > 200
+
+
+def test_ctrl_c_on_the_last_line_of_a_blocks_entry_leaves_no_block_in_effect():
+    """Ctrl-C as ``compressing.__enter__`` returns, its entry recorded: ``with`` calls no
+    ``__exit__``, so the entry itself must be undone, or this thread would count a block in
+    effect for good (``reset`` refused, the options of a block that never ran)."""
+    enter = bitsparse.compressing.__enter__
+    lines, first = inspect.getsourcelines(enter)
+    target = first + next(i for i, line in enumerate(lines) if line.strip() == "return self")
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not enter.__code__:
+            return None
+
+        def line(frame, event, arg):
+            if event == "line" and frame.f_lineno == target:
+                raise KeyboardInterrupt
+            return line
+
+        return line
+
+    model, x = mlp(), mlp_input()
+    expected = train_step(model, x, contextlib.nullcontext())
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with bitsparse.compressing(**OPTIONS):
+                pass
+    finally:
+        sys.settrace(None)
+    assert not hooks_installed()
+    bitsparse.reset()  # refused while a block is in effect
+    assert_same_grads(train_step(model, x, bitsparse.compressing(**OPTIONS)), expected)
+    assert bitsparse.stats().tensors_compressed == 2
+
+
+def test_ctrl_c_anywhere_in_a_first_step_leaves_the_library_working():
+    """The same for a first step of an arena sized by demand, which measures in host memory."""
+    assert ctrl_c_sweep(30, {"min_numel": MIN_NUMEL}, whole_steps=0) > 100
 
 
 def test_a_block_inside_enable_stores_with_its_own_options_and_enable_with_its_own_after():
