@@ -79,6 +79,11 @@ class Session:
         """The compiled sites among ``_unprofitable`` (see ``excluded_sites``)."""
         self._sites: dict[tuple, Site] = {}
         self._exact = ExactnessChecks()
+        self._discarded_words: dict[torch.device, torch.Tensor] = {}
+        """Per device, host memory the device can write, where ``_square_alone`` measures."""
+        self._outgrown_words: list[torch.Tensor] = []
+        """Such memory that larger memory replaced, kept: a kernel may still be writing it,
+        and memory PyTorch handed out again would receive the words."""
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -422,12 +427,18 @@ class Session:
 
     def _square_alone(self, site: Site, t: torch.Tensor, square: torch.Tensor | None) -> None:
         """Write ``square`` (if any) for ``t``, kept as it is, as storing it would have: the
-        codec measures ``t`` into counters of its own, which touches no arena."""
+        codec measures ``t`` per tile into host memory that nobody reads, which touches no
+        arena and takes no device memory."""
         if square is not None:
-            counters = torch.zeros(3, dtype=torch.int64, device=t.device)
+            tiles = self._geometry.num_tiles(site.numel)
+            discarded = self._discarded_words.get(t.device)
+            if discarded is None or discarded.numel() < tiles:
+                if discarded is not None:
+                    self._outgrown_words.append(discarded)
+                discarded = torch.empty(2 * tiles, dtype=torch.int32, pin_memory=t.is_cuda)
+                self._discarded_words[t.device] = discarded
             x, square = site.in_memory_order(t), site.in_memory_order(square)
-            spec, geometry = site.spec, self._geometry
-            site.codec.measure(x, counters[:1], counters[1:], spec, geometry, site.sign_pack, relu_square=square)
+            site.codec.measure_tiles(x, discarded[:tiles], site.spec, self._geometry, site.sign_pack, square)
 
     def _warn_if_stale(self) -> None:
         if self._stale_arenas and not self._warned_stale:
