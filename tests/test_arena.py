@@ -32,8 +32,8 @@ from bitsparse.compressed import compress_into
 from bitsparse.format import dtype_spec
 
 GEOMETRY = TileGeometry()
-COUNTER_BYTES = 4 * 8  # the cursor, the encoders' two scratch words and the tally
-"""The arena's cursor and the encoders' two scratch words."""
+COUNTER_BYTES = 4 * 8
+"""The arena's cursor, the encoders' two scratch words and the tally, made with its buffer."""
 
 
 def relu_like(numel: int, zero_fraction: float, *seed) -> torch.Tensor:
