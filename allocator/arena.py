@@ -571,11 +571,12 @@ class Arena:
             callback(start, end)
 
     def _deliver_measured(self) -> None:
+        """Deliver the oldest append measured in host memory, waiting for its words if needed."""
         tile_words = self._measured.popleft()
         if tile_words.min() < 0:  # the device writes no negative word: some are still to come
             self._spin_until(lambda: tile_words.min() >= 0)
-        # From the last end delivered, which an exception (Ctrl-C) cannot leave behind
-        # ``_last_end`` (it is recorded first; see _deliver).
+        # From the last end in ``ends``, not ``_last_end``, which an exception (Ctrl-C) may
+        # have left one append behind (see _deliver).
         end = (self._ends[-1] if self._ends else 0) + int(tile_words.sum())
         self._ends.append(end)
         self._last_end = end
