@@ -99,20 +99,22 @@ def relu_and_square(x: torch.Tensor, square: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def measure(x, cursor, appends, spec, geometry, sign_pack, report=None, relu_square=None):
+def _measured_tile_words(x, spec, geometry, sign_pack, relu_square) -> torch.Tensor:
+    """The stream words of each tile of ``x`` (of its ReLU, with ``relu_square`` written)."""
     if relu_square is not None:
         x = relu_and_square(x, relu_square)
     padded, nonzero = _tiles(x, spec, geometry)
-    cursor.add_(_stream_lengths(padded, nonzero, spec, sign_pack)[3].sum())
+    return _stream_lengths(padded, nonzero, spec, sign_pack)[3]
+
+
+def measure(x, cursor, appends, spec, geometry, sign_pack, report=None, relu_square=None):
+    cursor.add_(_measured_tile_words(x, spec, geometry, sign_pack, relu_square).sum())
     if report is not None:
         report.copy_(cursor + 1, non_blocking=True)
 
 
 def measure_tiles(x, tile_words, spec, geometry, sign_pack, relu_square=None):
-    if relu_square is not None:
-        x = relu_and_square(x, relu_square)
-    padded, nonzero = _tiles(x, spec, geometry)
-    tile_words.copy_(_stream_lengths(padded, nonzero, spec, sign_pack)[3], non_blocking=True)
+    tile_words.copy_(_measured_tile_words(x, spec, geometry, sign_pack, relu_square), non_blocking=True)
 
 
 def encode(

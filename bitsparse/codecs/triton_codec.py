@@ -825,11 +825,11 @@ def _launch_measure(x, cursor, appends, report, tile_words, spec, geometry, sign
     numel, tile = x.numel(), geometry.tile_size
     programs = -(-numel // (tile * MEASURE_TILES_PER_PROGRAM))
     square = x if relu_square is None else relu_square
-    if tile_words is None:  # the pointers of the other mode are passed where the kernel reads none
-        pointers = (x, cursor, appends, cursor if report is None else report, square, cursor)
-    else:
-        pointers = (x, tile_words, tile_words, tile_words, square, tile_words)
     per_tile = tile_words is not None
+    if per_tile:  # the pointers of the other mode are passed where the kernel reads none
+        pointers = (x, tile_words, tile_words, tile_words, square, tile_words)
+    else:
+        pointers = (x, cursor, appends, cursor if report is None else report, square, cursor)
     constexprs = (
         tile,
         spec.bits,
