@@ -14,9 +14,10 @@ packed decoder about 40%, bound by instructions and latency (docs/benchmarks.md)
   copies, all in flight at once);
 - (encoder) claim stream space for ``GROUP`` tiles with one atomic: the claim counter is one
   address that every program hits;
-- (encoder, ``relu_square``) write the square in a loop of its own, four 16-byte vectors per
-  thread at a time, then load the values again (from L2): squared beside the values held for
-  the scan, the words spilled registers;
+- (encoder, ``relu_square``) square the values a thread holds and store the square in
+  16-byte vectors, in inline PTX right after the load: computed in Gluon beside the values
+  held for the scan, the squares spilled registers, and a loop of its own that loaded the
+  values again from L2 was slower (docs/benchmarks.md);
 - (decoder) issue every load of a tile's fixed part before the first barrier, so that the
   stream's load waits for one round trip to memory, not two, and prefetch the fixed part of
   a later tile into L2, so that the first of those round trips can end there.
@@ -49,11 +50,6 @@ registers a thread without spilling, and eight encoder programs fit an SM: +2 to
 of copy bandwidth for bf16 against 80 registers (six programs); 56 spilled and lost 7-20.
 32-bit values hold twice the registers: capped, they fell from 91% to 37%, so they run
 uncapped."""
-SQUARE_VECTORS = gl.constexpr(4)
-"""16-byte vectors of values a thread of the ``relu_square`` encoder loads at once for the
-square, all in flight together. On the H200, for a bf16 tensor of 36.9M elements at 90% zeros
-(the benchmarks' GPT): 65 us with one, 57 with two, 53-54 with four (a copy of the tensor
-takes 37 us); eight spilled registers (60 us)."""
 PREFETCH_TILES = gl.constexpr(2048)
 """How far ahead of its own tile a decoder program prefetches a fixed part: about as many
 tiles as an H200's SMs hold decoder programs at once (12-16 each on 132 SMs)."""
@@ -174,6 +170,43 @@ def _scatter_ptx(operands, vector, bits, before):
         return shift + [f"@p st.shared.{kind} [a], {'q' if part else word};", f"@p add.u32 a, a, {size};"]
 
     return _for_each_value(e, vector, 2 * e, lambda c: before(c) + [f"add.u32 a, s, ${3 * e + c};"], store, per_word)
+
+
+@constexpr_function
+def _square_ptx(operands, dtype, threads):
+    """PTX storing the squares of a thread's values of ``dtype`` (their ReLU, none below zero),
+    computed in float32 and rounded to nearest even as PyTorch squares them. Operands: the
+    values $E (32-bit words), the bytes of the square from the group's first to the tensor's
+    end $2E, the square's address at the group's first value $3E. In the encoder's layout
+    thread t holds the group's 16-byte vectors t, t + threads, ...: each is stored whole when
+    it lies inside the tensor, else word by word up to its end. Writes no output."""
+    e = operands
+    lines = ["{", ".reg .b32 s0, s1, s2, s3, lo, hi, end, o;", ".reg .b16 h0, h1;", ".reg .pred whole, p;"]
+    lines += [".reg .u64 g;", "mov.u32 o, %tid.x;", "shl.b32 o, o, 4;", "cvt.u64.u32 g, o;", f"add.u64 g, g, ${3 * e};"]
+    for c in range(0, e, 4):
+        for k in range(4):
+            word, square = f"${e + c + k}", f"s{k}"
+            if dtype.primitive_bitwidth == 32:
+                lines.append(f"mul.rn.f32 {square}, {word}, {word};")
+                continue
+            if dtype.is_bf16():
+                lines += [f"shl.b32 lo, {word}, 16;", f"and.b32 hi, {word}, -65536;"]
+            else:
+                lines += [f"mov.b32 {{h0, h1}}, {word};", "cvt.f32.f16 lo, h0;", "cvt.f32.f16 hi, h1;"]
+            pair = "bf16x2" if dtype.is_bf16() else "f16x2"
+            lines += ["mul.rn.f32 lo, lo, lo;", "mul.rn.f32 hi, hi, hi;", f"cvt.rn.{pair}.f32 {square}, hi, lo;"]
+        lines += ["add.u32 end, o, 16;", f"setp.le.u32 whole, end, ${2 * e};"]
+        lines += ["@whole st.global.cs.v4.b32 [g], {s0, s1, s2, s3};"]
+        for k in range(3):  # a vector the tensor's end cuts: its words before the end
+            lines += [f"add.u32 end, o, {4 * k + 4};", f"setp.le.and.u32 p, end, ${2 * e}, !whole;"]
+            lines += [f"@p st.global.cs.b32 [g+{4 * k}], s{k};"]
+        lines += [f"add.u32 o, o, {16 * threads};", f"add.u64 g, g, {16 * threads};"]
+    return "\n".join(lines + ["}"])
+
+
+@constexpr_function
+def _square_constraints(operands):
+    return ",".join(["=r"] * operands + ["r"] * (2 * operands) + ["l"] * operands)
 
 
 @constexpr_function
@@ -466,31 +499,9 @@ def _widen(bits, FLOAT: gl.constexpr, BITS: gl.constexpr):
 
 
 @gluon.jit
-def _narrow(wide, FLOAT: gl.constexpr, BITS: gl.constexpr):
-    """float32 values rounded to ``FLOAT`` (nearest even), as their bits in the lowest ``BITS``
-    of an int32."""
-    if BITS == 32:
-        bits = wide.to(gl.int32, bitcast=True)
-    else:
-        bits = wide.to(FLOAT).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-    return bits
-
-
-@gluon.jit
-def _square_of_relu(x, FLOAT: gl.constexpr, BITS: gl.constexpr):
-    """For 32-bit words ``x`` of ``32 // BITS`` values of ``FLOAT`` each, the words of the square
-    of their ReLU: in float32, rounded to nearest even, as ``triton_codec._load_bits``."""
-    square = gl.zeros_like(x)
-    for k in gl.static_range(32 // BITS):
-        wide = _widen(_value_bits(x, k, BITS), FLOAT, BITS)
-        square |= _narrow(gl.where(wide < 0, 0.0, wide * wide), FLOAT, BITS) << (BITS * k)
-    return square
-
-
-@gluon.jit
 def _relu(x, FLOAT: gl.constexpr, BITS: gl.constexpr):
-    """The words of the ReLU of words ``x`` (as ``_square_of_relu``'s): ``+0.0`` below zero,
-    the bits of every other value kept."""
+    """For 32-bit words ``x`` of ``32 // BITS`` values of ``FLOAT`` each, the words of their
+    ReLU: ``+0.0`` below zero, the bits of every other value kept."""
     for k in gl.static_range(32 // BITS):
         below = _widen(_value_bits(x, k, BITS), FLOAT, BITS) < 0
         x = gl.where(below, x & _all_but_value(k, BITS), x)
@@ -553,20 +564,6 @@ def encode_kernel(
     index = word_index * PER_WORD  # of the word's first value
     words_ptr = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)  # the caller checks 16-byte alignment
     whole = first_tile * TILE <= numel - GROUP * TILE  # the group is whole (in int32: numel < 2**31)
-    if RELU_SQUARE:
-        # First the square, ``SQUARE_VECTORS`` 16-byte vectors a thread at a time, from loads
-        # of its own: the values are loaded again below, from L2 (where the loads ask to keep
-        # them; the square, written once, streams past it), so that the square's words are
-        # not held in registers beside them (which spilled).
-        flat: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])
-        STEP: gl.constexpr = SQUARE_VECTORS * 4 * 32 * WARPS
-        square_words = square_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-        for step in range(0, GROUP * TILE // PER_WORD, STEP):
-            w = first_tile * (TILE // PER_WORD) + step + gl.arange(0, STEP, layout=flat)
-            inside = w < numel // PER_WORD
-            loaded = gl.load(words_ptr + w, mask=inside, eviction_policy="evict_last")
-            square = _square_of_relu(loaded, x_ptr.dtype.element_ty, BITS)
-            gl.store(square_words + w, square, mask=inside, cache_modifier=".cs")
     if whole:
         x = gl.load(words_ptr + word_index)
     else:
@@ -576,8 +573,19 @@ def encode_kernel(
             # aligned span): their bits are cleared.
             valid = gl.maximum(gl.minimum(numel - index, PER_WORD), 0)
             x = x & gl.where(valid == PER_WORD, -1, (1 << (BITS * valid)) - 1)
+    zero = gl.zeros_like(x)
     if RELU_SQUARE:
         x = _relu(x, x_ptr.dtype.element_ty, BITS)
+        square_bytes = gl.minimum(gl.maximum(numel - first_tile * TILE, 0), GROUP * TILE) * SIZE
+        group_square = (square_ptr + first_tile * TILE).to(gl.int64, bitcast=True)
+        gl.inline_asm_elementwise(
+            _square_ptx(OPERANDS, x_ptr.dtype.element_ty, WARPS * 32),
+            _square_constraints(OPERANDS),
+            [x, zero + square_bytes, zero.to(gl.int64) + group_square],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=OPERANDS,
+        )
     bits = gl.zeros_like(x)  # bit i: value i of the vector is nonzero
     for k in gl.static_range(PER_WORD):
         bits |= gl.where(_value_bits(x, k, BITS) != 0, 1 << (lane * PER_WORD + k), 0)
@@ -623,7 +631,6 @@ def encode_kernel(
     )
     fits = start + total <= capacity
     below = _popcount(word[:, None] & ((1 << (chunk_index * VECTOR)) - 1))
-    zero = gl.zeros_like(x)
     if SIGN_PACK:
         # Each tile's values compacted in its own region, then every stream word assembled.
         region_bytes = gl.reshape(tile[:, None] * REGION + ranks * SIZE, [ROWS])
