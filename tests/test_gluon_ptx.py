@@ -80,6 +80,18 @@ def test_encoder_packing_operands(elements, vector, bits):
     check_operands(ptx, constraints, elements, per_value={1}, unused={0})
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_encoder_square_operands(dtype):
+    from triton.experimental.gluon import language as gl
+
+    bits = 32 if dtype == "float32" else 16
+    elements = next(shape[0] for shape in ENCODER_SHAPES if shape[2] == bits)
+    ptx = gluon_kernels._square_ptx.fn(elements, getattr(gl, dtype), 128)
+    constraints = gluon_kernels._square_constraints.fn(elements)
+    # Outputs (unused), values, the square's bytes from the group's first, its address.
+    check_operands(ptx, constraints, elements, per_value={1}, unused={0})
+
+
 @pytest.mark.parametrize("may_be_packed", [False, True], ids=["raw", "packed"])
 @pytest.mark.parametrize("elements, vector, bits", DECODER_SHAPES, ids=str)
 def test_decoder_operands(elements, vector, bits, may_be_packed):
