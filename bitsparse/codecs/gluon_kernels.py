@@ -14,8 +14,8 @@ packed decoder about 40%, bound by instructions and latency (docs/benchmarks.md)
   copies, all in flight at once);
 - (encoder) claim stream space for ``GROUP`` tiles with one atomic: the claim counter is one
   address that every program hits;
-- (encoder, ``relu_square``) square the values a thread holds and store the square in
-  16-byte vectors, in inline PTX right after the load: computed in Gluon beside the values
+- (encoder, ``relu_square``) square the values a thread holds, once their ReLU is taken, and
+  store the square in 16-byte vectors, in inline PTX: computed in Gluon beside the values
   held for the scan, the squares spilled registers, and a loop of its own that loaded the
   values again from L2 was slower (docs/benchmarks.md);
 - (decoder) issue every load of a tile's fixed part before the first barrier, so that the
@@ -179,7 +179,8 @@ def _square_ptx(operands, dtype, threads):
     values $E (32-bit words), the bytes of the square from the group's first to the tensor's
     end $2E, the square's address at the group's first value $3E. In the encoder's layout
     thread t holds the group's 16-byte vectors t, t + threads, ...: each is stored whole when
-    it lies inside the tensor, else word by word up to its end. Writes no output."""
+    it lies inside the tensor, else word by word up to its end. The outputs are not written:
+    the block is there for its stores (not pure, so it is kept)."""
     e = operands
     lines = ["{", ".reg .b32 s0, s1, s2, s3, lo, hi, end, o;", ".reg .b16 h0, h1;", ".reg .pred whole, p;"]
     lines += [".reg .u64 g;", "mov.u32 o, %tid.x;", "shl.b32 o, o, 4;", "cvt.u64.u32 g, o;", f"add.u64 g, g, ${3 * e};"]
