@@ -14,6 +14,7 @@ import copy
 import threading
 import warnings
 import weakref
+from collections import defaultdict
 
 import psutil
 import torch
@@ -269,10 +270,25 @@ class Session:
         own memory: the backward may write over it, and a second backward needs the dense
         tensor of a handle that kept it again), or with ``square`` and ``square_grad`` the
         backward of its square (``StoredTensor.restore_into``)."""
+        if not self._backward_seen:
+            self._backward_begins()
         self._backward_seen = True
         with self._lock:
             self._settle_for_reads()
             handle.restore_into(out, square, square_grad)
+
+    def _backward_begins(self) -> None:
+        """At the step's first unpack or restore: count, per save site, the tensors it stored
+        (or measured) whose originals are still alive (``StoredTensor.outlived``). Held
+        elsewhere through the forward, they were stored for nothing, and their site learns so
+        at the next step (``StepCollector.demand``). Counted afresh if an exception cut a
+        previous count short: the counts replace the collector's in one statement."""
+        with self._lock:
+            outlived = defaultdict(int)
+            for slot in {ref() for ref in self._packed.values()}:
+                if slot.__class__ is StoredTensor and slot.outlived():
+                    outlived[slot.site] += slot.site.dense_bytes
+            self._collector.outlived = outlived
 
     def unpack_hook(self, other):
         """The unpack hook: ``hook(packed)`` restores what the pack hook returned in eager
@@ -295,6 +311,8 @@ class Session:
         Raises:
             RuntimeError: the saved tensor was modified in place since it was saved.
         """
+        if not self._backward_seen:
+            self._backward_begins()
         self._backward_seen = True
         if self._double_backward_task is not None and torch._C._current_graph_task_id() != self._double_backward_task:
             self._double_backward_task = None  # another backward ran since

@@ -29,8 +29,9 @@ class Stats:
     applies: ``small`` (fewer than ``min_numel`` elements), ``parameter`` (a parameter or a
     view of one), ``not_relu_family`` (``select="relu"`` and neither a ReLU-family producer
     nor a mark), ``dtype``, ``layout_or_device``, ``large`` (more elements than one
-    ``compress`` call takes), ``unprofitable_site`` (its save site shrank by less than 20%)
-    and ``overlapping_or_gapped`` (no permutation of the dims makes it contiguous).
+    ``compress`` call takes), ``unprofitable_site`` (its save site shrank by less than 20%,
+    a tensor still alive elsewhere when backward began counting as not shrunk) and
+    ``overlapping_or_gapped`` (no permutation of the dims makes it contiguous).
 
     ``fallbacks`` counts tensors that were to be compressed and are kept dense, by reason:
     ``arena_full`` (no room left: the arena grows for the next step; on the first step, which
@@ -125,6 +126,10 @@ class StepCollector:
         self.holds = False
         """Whether a tensor of this step is held until its arena confirms it (not sure to
         fit): only then do stores poll the arenas' reports."""
+        self.outlived: dict[object, int] = {}
+        """Per save site, the dense bytes of its stored (or measured) tensors that were still
+        alive elsewhere when the step's backward began (``StoredTensor.outlived``): storing
+        those freed nothing."""
         self.appends: list[tuple] = []
         """``(arena, number, site, stored)`` per append of the step (``Arena.submit``'s number;
         ``stored``: compressed, not only measured), read by ``demand`` and ``stored``: what
@@ -141,9 +146,10 @@ class StepCollector:
 
     def demand(self) -> dict:
         """What the step's appends took, once the arenas delivered their ends (``drain``), per
-        save site (a ``hooks.handles.Site``), measured tensors included: ``[arena, dense bytes,
-        fixed words, value words, most value words]``. Read at every step's start: only these
-        sums (``stored`` is the statistics' own)."""
+        save site (a ``hooks.handles.Site``), measured tensors included: ``[arena, dense bytes
+        freed (those of ``outlived`` tensors left out), fixed words, value words, most value
+        words]``. Read at every step's start: only these sums (``stored`` is the statistics'
+        own)."""
         sites: dict[object, list] = {}
         for arena, site, _, start, end in self._delivered():
             words = end - start
@@ -155,6 +161,9 @@ class StepCollector:
                 totals[2] += site.fixed_words
                 totals[3] += words
                 totals[4] += site.max_value_words
+        for site, dense_bytes in self.outlived.items():
+            if site in sites:
+                sites[site][1] = max(0, sites[site][1] - dense_bytes)
         return sites
 
     def _delivered(self):

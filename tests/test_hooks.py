@@ -852,6 +852,47 @@ def test_select_all_on_convnet():
     assert stats[-1].ratio > 1.1
 
 
+class KeepsItsReLUOutputs(nn.Module):
+    """An MLP that keeps each ReLU output it computes (features for a loss or a log, say):
+    they stay alive through backward, so storing them would free none of their memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = mlp()
+        self.kept: list[torch.Tensor] = []
+
+    def forward(self, x):
+        for layer in self.mlp:
+            x = layer(x)
+            if isinstance(layer, nn.ReLU):
+                self.kept.append(x)
+        return x
+
+
+def test_a_site_whose_tensors_outlive_the_forward_is_kept_as_is():
+    model = KeepsItsReLUOutputs()
+    stats = check_exact(model, mlp_input(), steps=3)
+    # Stored once (the arena is explicit); alive when backward began, so never again.
+    assert [s.tensors_compressed for s in stats] == [2, 0, 0]
+    # Each of the two sites: the ReLU's save of its output and the next Linear's of its input.
+    assert stats[-1].tensors_skipped["unprofitable_site"] == 4
+    model.kept.clear()
+
+
+def test_tensors_passed_between_blocks_are_stored_every_step():
+    """A tensor alive past the block that stored it, but not past the forward, pays."""
+    model, x = mlp(), mlp_input()
+    first, second = model[:2], model[2:]
+    for _ in range(3):
+        with bitsparse.compressing(**OPTIONS):
+            h = first(x)
+        with bitsparse.compressing(**OPTIONS):
+            out = second(h)
+        del h
+        out.sum().backward()
+        assert bitsparse.stats().tensors_compressed == 2
+
+
 def test_sign_pack_exact():
     model, x = mlp(), mlp_input()
     plain = check_exact(model, x)[-1]
@@ -1307,7 +1348,9 @@ def test_held_tensors_stay_within_the_window_and_the_hold_allowance(reporting_ar
 
     monkeypatch.setattr(Arena, "submit", recording_submit)
     torch.manual_seed(0)
-    model = nn.Sequential(*[layer for _ in range(6) for layer in (nn.Linear(64, 64), nn.ReLU())])
+    # A Linear last: the caller keeps the output, and storing a tensor that stays alive frees
+    # nothing (the step's allowance would leave it out).
+    model = nn.Sequential(*[layer for _ in range(6) for layer in (nn.Linear(64, 64), nn.ReLU())], nn.Linear(64, 64))
     stats = check_exact(model, torch.randn(64, 64), steps=3, window=window, host_spill=False)
     assert all(s.fallbacks == {} and s.tensors_compressed == 6 for s in stats[1:])
     # Several held at once, at most the window, and beyond the first only within the step's
