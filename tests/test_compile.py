@@ -210,6 +210,25 @@ def mixed(model, counter):
     return model
 
 
+def test_an_eager_relu_output_that_compiled_code_saves_is_kept_as_is_from_the_second_step():
+    """The eager ReLU's output is the compiled part's input, which its graph saves as it is
+    (graphs hand their inputs to no hook): stored as well, it would cost its compressed size
+    on top of dense. The compiled part's own ReLU output is stored every step."""
+    torch.manual_seed(0)
+    tail = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), tail)
+
+    def compile_the_tail(m, counter):
+        m[2] = torch.compile(m[2], backend=counter)
+        return m
+
+    stats, frames, _ = compiled_steps(model, mlp_input(), compile=compile_the_tail)
+    assert frames == 1
+    assert [s.tensors_compressed for s in stats] == [2, 1, 1]
+    # The eager ReLU's save of its output, kept: its site learned that storing frees nothing.
+    assert stats[-1].tensors_skipped.get("unprofitable_site") == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_compiled_convnet_with_inplace_relu(dtype):
     """Exact in 16 bits too: a ReLU of a batch norm's output is stored where the graph saves
