@@ -95,6 +95,9 @@ START_SLOTS = 64
 """Start words made when the first is asked for; more are made between steps as needed."""
 REPORT_SLOTS = 64
 """Report slots made at a time (pinned host memory), when every slot is in use."""
+COUNTER_WORDS = 4
+"""The int64 device words made with a buffer: the cursor, the encoders' two scratch words
+and the tally."""
 ALLOCATOR_BLOCK = 512
 """Bytes PyTorch's caching allocator rounds each device allocation up to a multiple of."""
 MAX_CACHED_VIEWS = 4096
@@ -197,7 +200,6 @@ class Arena:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._device_index = self.device.index if self._cuda else -1
         self._buffer: torch.Tensor | None = None
-        self._counters: torch.Tensor | None = None
         self.cursor: torch.Tensor | None = None
         """The value cursor, a device word made with the buffer (None without one)."""
         self.appends: torch.Tensor | None = None
@@ -277,7 +279,7 @@ class Arena:
         self._fixed_capacity, self._requested = 0, (0, 0, 0)
         # Nothing may keep the old buffer alive while the new one is allocated.
         self.values = self._buffer = self._planned = None
-        self._counters = self.cursor = self.appends = self.tally = None
+        self.cursor = self.appends = self.tally = None
         self._start_slots = ()
         self._fixed_views: dict[tuple[int, int], torch.Tensor] = {}
         # Read at every append: ints, not properties.
@@ -311,11 +313,11 @@ class Arena:
         if not spill_words:
             buffer = torch.empty(values_start + value_words + 1, dtype=torch.int32, device=self.device)
         # The cursor, the encoders' two scratch words (see ValueBuffer) and the tally.
-        counters = torch.zeros(4, dtype=torch.int64, device=self.device)
+        counters = torch.zeros(COUNTER_WORDS, dtype=torch.int64, device=self.device)
         if self._last_end:
             counters[0].fill_(self._last_end)
         self._make_start_slots(self._wanted_start_slots)
-        self._counters, self.cursor, self.appends, self.tally = counters, counters[:1], counters[1:3], counters[3:]
+        self.cursor, self.appends, self.tally = counters[:1], counters[1:3], counters[3:]
         self._buffer, self.values = buffer, ValueBuffer.over(buffer[values_start:], counters[:3])
         self._values_capacity, self._device_value_words = value_words + spill_words, value_words
         self._spill_words = spill_words
@@ -362,9 +364,9 @@ class Arena:
     @property
     def reserved_bytes(self) -> int:
         """All the device memory the arena holds: none without a buffer."""
-        if self._counters is None:
+        if self.cursor is None:
             return self.capacity_bytes
-        return self.capacity_bytes + 8 * (self._counters.numel() + len(self._start_slots))
+        return self.capacity_bytes + 8 * (COUNTER_WORDS + len(self._start_slots))
 
     def reserve_fixed(self, words: int) -> torch.Tensor | None:
         """``words`` int32 words of the fixed region, or None when the region is full."""
