@@ -197,9 +197,9 @@ def test_no_compressed_tensor_outlives_backward(ranks, wrapper, hooks):
 
 
 TEARDOWN_ABORT = "terminate called without an active exception"
-"""What a gloo process prints when its C++ teardown aborts it after its work is done (a joinable
-thread destroyed at exit); seen in CI on the FSDP2 bench, after every table and file was written,
-and not reproduced in 26 runs on demand."""
+"""What a gloo process prints when its teardown aborts it after its work is done: a gloo thread
+releasing, while the interpreter exits, a collective that holds a Python object (see
+``leaving_process_group``, which makes this rare)."""
 
 
 def torchrun(*args: str, timeout: float = TORCHRUN_TIMEOUT_S) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 
 import torch
@@ -52,18 +53,26 @@ def init_from_torchrun(device_type: str) -> torch.device:
 
 @contextlib.contextmanager
 def leaving_process_group():
-    """Destroy the default process group when the block ends: after a barrier when it ends
-    normally, at once when it raises (the other processes may never reach a barrier).
+    """Destroy the default process group when the block ends: after a garbage collection and a
+    barrier when it ends normally, at once when it raises (the other processes may never reach
+    a barrier).
 
-    The barrier is there because a process that exits while another still works in the group
-    (process 0 printing the tables, say) closes connections under that one's gloo threads, which
-    can abort it at its own exit ("terminate called without an active exception").
+    Both guard against gloo aborting a process at its exit ("terminate called without an active
+    exception"). The barrier: a process that exits while another still works in the group
+    (process 0 printing the tables, say) closes connections under that one's gloo threads. The
+    collection: a collective issued during backward keeps, in the thread-local state it
+    captured, the context object autograd stashes there (torch 2.13, 2.14); freed with the
+    models' reference cycles at interpreter exit, its release on a gloo thread asks for the GIL
+    while the interpreter finalizes, which aborts the process (seen in about one run in ten of
+    the quick bench on a 2-core CPU; none in 60 with the collection). Collected here, it goes
+    while the interpreter is alive.
     """
     try:
         yield
     except BaseException:
         dist.destroy_process_group()
         raise
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
