@@ -61,11 +61,11 @@ def leaving_process_group():
     exception"). The barrier: a process that exits while another still works in the group
     (process 0 printing the tables, say) closes connections under that one's gloo threads. The
     collection: a collective issued during backward keeps, in the thread-local state it
-    captured, the context object autograd stashes there (torch 2.13, 2.14); freed with the
-    models' reference cycles at interpreter exit, its release on a gloo thread asks for the GIL
-    while the interpreter finalizes, which aborts the process (seen in about one run in ten of
-    the quick bench on a 2-core CPU; none in 60 with the collection). Collected here, it goes
-    while the interpreter is alive.
+    captured, the context object autograd stashes there (torch 2.13, 2.14); where only the
+    interpreter's last garbage collection frees it, at exit, its release on a gloo thread asks
+    for the GIL while the interpreter finalizes, which aborts the process (seen in about one
+    run in ten of the quick bench on a 2-core CPU; none in 60 with the collection). Collected
+    here, it goes while the interpreter is alive.
     """
     try:
         yield
