@@ -43,6 +43,13 @@ PROFITABLE_RATIO = 1.25
 arena's headroom (15% of what it stores) would eat most of the saving."""
 
 
+class _Watch(weakref.ref):
+    """A weak reference to the tensor a stored tensor's handle was made from, whose release
+    its session hears of (``Session._watch_ended``); ``step`` is ``(collector, site)``."""
+
+    __slots__ = ("step",)
+
+
 class Session:
     """Process-wide state behind ``compressing()`` and ``enable()``.
 
@@ -203,9 +210,11 @@ class Session:
                 if found is not None:
                     stats.tensors_recomputed += 1
             # Each object is referred to once, for every table (host time).
-            base, saved = t._base, weakref.ref(t)
+            base = t._base
             if found is None:
                 found = slot = self._store(options, t, site)
+                saved = _Watch(t, self._watch_ended)
+                saved.step = collector, site
                 slot_ref = weakref.ref(slot)
                 slot.slots += 1  # it restores t itself, whatever t's strides
                 if contiguous:  # a later save of its storage (or a view of it) finds it
@@ -213,6 +222,7 @@ class Session:
             else:
                 slot = self._slot(found, t)
                 slot_ref = weakref.ref(slot)
+                saved = weakref.ref(t)
             slot.watch(saved, span[4])
             self._packed[id(t)] = slot_ref
             return slot
@@ -289,6 +299,16 @@ class Session:
                 if slot.__class__ is StoredTensor and slot.outlived():
                     outlived[slot.site] += slot.site.dense_bytes
             self._collector.outlived = outlived
+
+    def _watch_ended(self, watch: _Watch) -> None:
+        """The tensor a stored tensor's handle was made from was released. During a backward
+        before its first unpack of the step, it was alive when the backward began, like the
+        tensors ``_backward_begins`` counts: held past the forward by what saved it without
+        these hooks (compiled code that saved it as an input, whose backward ran first), so
+        storing it freed nothing. Runs in whatever thread released it, without the lock."""
+        collector, site = watch.step
+        if collector is self._collector and not self._backward_seen and torch._C._current_graph_task_id() != -1:
+            collector.released_in_backward.append(site)
 
     def unpack_hook(self, other):
         """The unpack hook: ``hook(packed)`` restores what the pack hook returned in eager

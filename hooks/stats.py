@@ -130,6 +130,10 @@ class StepCollector:
         """Per save site, the dense bytes of its stored (or measured) tensors that were still
         alive elsewhere when the step's backward began (``StoredTensor.outlived``): storing
         those freed nothing."""
+        self.released_in_backward: list[object] = []
+        """The save site of each stored (or measured) tensor released during the backward
+        before the step's first unpack (``Session._watch_ended``): alive when the backward
+        began, as ``outlived`` counts, but no longer when the first unpack counted."""
         self.appends: list[tuple] = []
         """``(arena, number, site, stored)`` per append of the step (``Arena.submit``'s number;
         ``stored``: compressed, not only measured), read by ``demand`` and ``stored``: what
@@ -161,7 +165,8 @@ class StepCollector:
                 totals[2] += site.fixed_words
                 totals[3] += words
                 totals[4] += site.max_value_words
-        for site, dense_bytes in self.outlived.items():
+        outlived = [*self.outlived.items(), *((site, site.dense_bytes) for site in self.released_in_backward)]
+        for site, dense_bytes in outlived:
             if site in sites:
                 sites[site][1] = max(0, sites[site][1] - dense_bytes)
         return sites

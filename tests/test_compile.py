@@ -229,6 +229,23 @@ def test_an_eager_relu_output_that_compiled_code_saves_is_kept_as_is_from_the_se
     assert stats[-1].tensors_skipped.get("unprofitable_site") == 1
 
 
+def test_an_eager_relu_output_saved_by_compiled_code_that_stores_nothing_is_kept_from_the_second_step():
+    """As above, with a compiled part that stores nothing of its own: its backward, which
+    runs before any of BitSparse's, lets the input go before the eager ReLU's unpack; the
+    release, during the backward, tells the site that storing it freed nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 10))
+
+    def compile_the_last_layer(m, counter):
+        m[2] = torch.compile(m[2], backend=counter)
+        return m
+
+    stats, frames, _ = compiled_steps(model, mlp_input(), compile=compile_the_last_layer)
+    assert frames == 1
+    assert [s.tensors_compressed for s in stats] == [1, 0, 0]
+    assert stats[-1].tensors_skipped.get("unprofitable_site") == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_compiled_convnet_with_inplace_relu(dtype):
     """Exact in 16 bits too: a ReLU of a batch norm's output is stored where the graph saves

@@ -160,3 +160,23 @@ def test_no_compiled_step_peaks_above_compiled_dense():
     # memory it was in), and saves no square: it measures (in host memory), no higher than dense.
     assert peaks[0] <= dense[2], (peaks, dense)
     assert all(peak < dense[2] for peak in peaks[1:]), (peaks, dense)
+
+
+def test_an_eager_relu_output_that_compiled_code_saves_costs_no_step_more_than_dense():
+    """The ReLU runs eagerly and a compiled layer saves its output as an input (compiled code
+    hands its inputs to no hook): storing it frees nothing, which the first step shows when
+    the layer's backward, on the device's autograd thread, lets it go; it is never stored."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024))
+    model = model.to("cuda", torch.bfloat16)
+    model[2] = torch.compile(model[2])
+    x = torch.randn(8192, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def loss_fn():
+        return model(x).float().square().mean()
+
+    dense = _step_peaks(model, loss_fn, torch.enable_grad, 3)
+    peaks = _step_peaks(model, loss_fn, bitsparse.compressing, 4)
+    stats = bitsparse.stats()
+    assert stats.tensors_compressed == 0 and stats.tensors_skipped.get("unprofitable_site") == 1, str(stats)
+    assert all(peak <= dense[2] for peak in peaks), (peaks, dense)
