@@ -210,12 +210,15 @@ def mixed(model, counter):
     return model
 
 
-def test_an_eager_relu_output_that_compiled_code_saves_is_kept_as_is_from_the_second_step():
-    """The eager ReLU's output is the compiled part's input, which its graph saves as it is
+@pytest.mark.parametrize("tail_stores", [True, False], ids=["tail_stores_its_own", "tail_stores_nothing"])
+def test_an_eager_relu_output_that_compiled_code_saves_is_kept_as_is_from_the_second_step(tail_stores):
+    """The eager ReLU's output is the compiled tail's input, which its graph saves as it is
     (graphs hand their inputs to no hook): stored as well, it would cost its compressed size
-    on top of dense. The compiled part's own ReLU output is stored every step."""
+    on top of dense. The backward shows it: alive at the tail's first restore where the tail
+    stores a ReLU output of its own (stored every step), released by the tail's backward,
+    before the eager ReLU's unpack, where it stores nothing."""
     torch.manual_seed(0)
-    tail = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    tail = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)) if tail_stores else nn.Linear(256, 10)
     model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), tail)
 
     def compile_the_tail(m, counter):
@@ -224,25 +227,8 @@ def test_an_eager_relu_output_that_compiled_code_saves_is_kept_as_is_from_the_se
 
     stats, frames, _ = compiled_steps(model, mlp_input(), compile=compile_the_tail)
     assert frames == 1
-    assert [s.tensors_compressed for s in stats] == [2, 1, 1]
+    assert [s.tensors_compressed for s in stats] == ([2, 1, 1] if tail_stores else [1, 0, 0])
     # The eager ReLU's save of its output, kept: its site learned that storing frees nothing.
-    assert stats[-1].tensors_skipped.get("unprofitable_site") == 1
-
-
-def test_an_eager_relu_output_saved_by_compiled_code_that_stores_nothing_is_kept_from_the_second_step():
-    """As above, with a compiled part that stores nothing of its own: its backward, which
-    runs before any of BitSparse's, lets the input go before the eager ReLU's unpack; the
-    release, during the backward, tells the site that storing it freed nothing."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 10))
-
-    def compile_the_last_layer(m, counter):
-        m[2] = torch.compile(m[2], backend=counter)
-        return m
-
-    stats, frames, _ = compiled_steps(model, mlp_input(), compile=compile_the_last_layer)
-    assert frames == 1
-    assert [s.tensors_compressed for s in stats] == [1, 0, 0]
     assert stats[-1].tensors_skipped.get("unprofitable_site") == 1
 
 
