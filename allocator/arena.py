@@ -530,11 +530,17 @@ class Arena:
             self._deliver(wait=False)
 
     def drain(self) -> None:
-        """Deliver every outstanding report, waiting for the GPU if needed."""
+        """Deliver every outstanding report, waiting for the GPU if needed; let go of the tile
+        words that ``next_measure`` handed out and nobody submitted (an exception cut their
+        append short), once the device can no longer write them."""
         while self._measured:
             self._deliver_measured()
         while self._pending:
             self._deliver(wait=True)
+        if self._measuring:
+            if self._cuda:  # rare (an interrupted append): a kernel may still write them
+                torch.cuda.synchronize(self.device)
+            self._measuring.clear()
 
     def ends(self) -> list[int]:
         """The value cursor after each append since the arena was emptied, in order, as far as

@@ -288,6 +288,19 @@ def test_a_buffer_made_after_host_measures_continues_their_cursor():
     assert store.reports[-1] == (end, end + int(c.stream_words())) and int(c.base) == end
 
 
+def test_tile_words_of_an_interrupted_measure_are_let_go_at_the_next_drain():
+    """Tile words handed out and never submitted (an exception between the codec's call and
+    ``submit_measure``) are held while the device may write them, not for good."""
+    arena = Arena("cpu")
+    tile_words = arena.next_measure(GEOMETRY.num_tiles(5000))
+    released = weakref.ref(tile_words)
+    del tile_words
+    assert released() is not None
+    arena.drain()
+    assert released() is None
+    assert Store(arena)(relu_like(5000, 0.5)) is None and arena.ends()[-1] > 0  # measures on
+
+
 def test_peak_after_overflow_is_at_most_what_the_regions_hold():
     arena = Arena("cpu", 1 << 16, fixed_fraction=0.25)
     store = Store(arena)
