@@ -102,7 +102,7 @@ class Site:
     (``prepare``), and ``forget_buffer`` drops them when the arena changes its buffer, so that
     nothing here keeps an old one alive.
 
-    A site of ``relu_inputs`` (a compiled graph's, see ``hooks/compiled.py``) is given the
+    A site of ``relu_inputs`` (a compiled graph's, see ``hooks/graph_passes.py``) is given the
     inputs of a ReLU: what it stores and restores is their ReLU, and storing one writes that
     ReLU's square too (the codecs' ``relu_square``).
     """

@@ -247,10 +247,11 @@ class Session:
         self, options: Options, t: torch.Tensor, name: str, square: torch.Tensor | None = None
     ) -> StoredTensor:
         """Store ``t``, which a compiled forward saves and selected at compile time (see
-        ``hooks/compiled.py``) as the save site ``name``, as ``pack`` stores a tensor, with one
-        slot. The compiled code may write over ``t``'s memory once past this call (it reuses
-        buffers and computes in place), so a handle that keeps the tensor dense (held until
-        the arena confirms its values, or kept where they cannot be stored) keeps a copy.
+        ``hooks/compiled.py``; its store op calls this, ``hooks/compiled_ops.py``) as the save
+        site ``name``, as ``pack`` stores a tensor, with one slot. The compiled code may
+        write over ``t``'s memory once past this call (it reuses buffers and computes in
+        place), so a handle that keeps the tensor dense (held until the arena confirms its
+        values, or kept where they cannot be stored) keeps a copy.
 
         With ``square`` (a contiguous tensor like ``t``), ``t`` is the input of a ReLU whose
         output the forward saves and squares: the handle restores that ReLU output, and

@@ -108,7 +108,7 @@ OP_RULES = {
     "pow": _pow,
     "mul": _mul,
     "copy_slices": HIDDEN,  # autograd's wrapper of an in-place op on a view
-    "mark": RELU,  # bitsparse.mark in a compiled graph (hooks/compiled.py)
+    "mark": RELU,  # bitsparse.mark in a compiled graph (hooks/compiled_ops.py)
     **dict.fromkeys(_VIEW_OPS, VIEW),
 }
 """The rule: an op's name to what it means, or to a function of the node and its graph."""

@@ -57,7 +57,7 @@ def fused_backwards_on_the_cpu(monkeypatch):
     """Let the CPU's compiled backwards restore ReLU outputs into their squares' backward (a
     test's inputs then hold no element where a ReLU output and its gradient are both NaNs,
     see ``FUSED_BACKWARD_DEVICES``)."""
-    monkeypatch.setattr("bitsparse.hooks.compiled.FUSED_BACKWARD_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr("bitsparse.hooks.graph_passes.FUSED_BACKWARD_DEVICES", ("cuda", "cpu"))
 
 
 def compiled_steps(model, x, steps=3, compile=None, **options):
