@@ -25,9 +25,9 @@ confirms that its values fit or for good where they do not, keeps a copy of it
 with the spill region) is read by its encoder before any later kernel of the graph, in stream
 order, and nothing of it is kept.
 
-Two settings steer the compiler, besides inductor's passes (``hooks.graph_passes``: the fused
-store of a ReLU output and its square, the fused restore and backward of the square, and
-each op's place in the graph):
+Besides inductor's post-grad passes (``hooks.graph_passes``: the fused store of a ReLU output
+and its square, the fused restore and backward of the square, and each op's place in the
+graph), two things steer the compiler:
 
 - The partitioner decides what a compiled forward saves; left alone, for ``fc2(relu(fc1(x))
   ** 2)`` it saves the dense pre-activation and the square and recomputes the ReLU. ``steer``
@@ -40,7 +40,7 @@ each op's place in the graph):
 - The backward is compiled together with the forward (``force_non_lazy_backward_lowering``),
   while the passes are installed, rather than at its first run, outside ``compressing()``.
 
-``steer_compiles`` sets both, and inductor's passes, for each compile that begins under
+``steer_compiles`` sets these and the post-grad passes for each compile that begins under
 BitSparse's hooks, and only for it (``torch._dynamo.callback``'s compile callbacks).
 """
 
