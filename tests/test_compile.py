@@ -812,7 +812,7 @@ def test_a_16_bit_square_and_gradient_are_fused_only_where_matrix_products_read_
     input's gradient, in BitSparse's ops only where nothing but matrix products read them:
     inductor computes a consumer it fuses with their producer (the bias's gradient, a sum of
     the input's gradient; a sum of the square) from values not yet rounded to 16 bits, which
-    the ops cannot give it (``_only_read_from_memory``). A square also summed is saved, as in
+    the ops cannot give it (``graph_passes.only_read_from_memory``). A square also summed is saved, as in
     the graph without BitSparse, and stored beside the ReLU output. Gradients exact in each
     case."""
     torch.manual_seed(0)
