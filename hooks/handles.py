@@ -201,6 +201,13 @@ class StoredTensor(Handle):
         self.dense = dense.detach() if held else None
         self.dense_version = dense._version
 
+    def outlived(self) -> bool:
+        """Whether the tensor this handle was saved for is still alive (the handle refers to
+        it weakly, and to its memory only through an alias): asked as backward begins, held
+        elsewhere since the forward (by the caller, or by a graph that saved it without these
+        hooks), so that storing it freed none of its memory."""
+        return self._saved is not None and self._saved() is not None
+
     def confirm(self, fits: bool) -> None:
         """Take the arena's confirmation of a held tensor: the values fit (the dense storage
         can go), or not (it stays, for good)."""

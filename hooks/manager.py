@@ -14,6 +14,7 @@ import copy
 import threading
 import warnings
 import weakref
+from collections import defaultdict
 
 import psutil
 import torch
@@ -44,10 +45,9 @@ arena's headroom (15% of what it stores) would eat most of the saving."""
 
 class _Watch(weakref.ref):
     """A weak reference to the tensor a stored tensor's handle was made from, whose release
-    its session hears of (``Session._watch_ended``): in step number ``step``, of ``site``;
-    ``freed`` once storing it freed its memory."""
+    its session hears of (``Session._watch_ended``); ``step`` is ``(collector, site)``."""
 
-    __slots__ = ("step", "site", "freed")
+    __slots__ = ("step",)
 
 
 class Session:
@@ -214,10 +214,7 @@ class Session:
             if found is None:
                 found = slot = self._store(options, t, site)
                 saved = _Watch(t, self._watch_ended)
-                # Saved during a backward, for a double backward, it is that backward's to
-                # release, which frees its memory: only the forward's are judged.
-                saved.step, saved.site, saved.freed = collector.stats.step, site, self._backward_seen
-                collector.watches.append(saved)
+                saved.step = collector, site
                 slot_ref = weakref.ref(slot)
                 slot.slots += 1  # it restores t itself, whatever t's strides
                 if contiguous:  # a later save of its storage (or a view of it) finds it
@@ -284,25 +281,35 @@ class Session:
         own memory: the backward may write over it, and a second backward needs the dense
         tensor of a handle that kept it again), or with ``square`` and ``square_grad`` the
         backward of its square (``StoredTensor.restore_into``)."""
+        if not self._backward_seen:
+            self._backward_begins()
         self._backward_seen = True
         with self._lock:
             self._settle_for_reads()
             handle.restore_into(out, square, square_grad)
 
+    def _backward_begins(self) -> None:
+        """At the step's first unpack or restore: count, per save site, the tensors it stored
+        (or measured) whose originals are still alive (``StoredTensor.outlived``). Held
+        elsewhere through the forward, they were stored for nothing, and their site learns so
+        at the next step (``StepCollector.demand``). Counted afresh if an exception cut a
+        previous count short: the counts replace the collector's in one statement."""
+        with self._lock:
+            outlived = defaultdict(int)
+            for slot in {ref() for ref in self._packed.values()}:
+                if slot.__class__ is StoredTensor and slot.outlived():
+                    outlived[slot.site] += slot.site.dense_bytes
+            self._collector.outlived = outlived
+
     def _watch_ended(self, watch: _Watch) -> None:
-        """The tensor a stored tensor's handle was made from was released. Saved in the
-        forward and released outside any backward before the step's first unpack (as a
-        forward's intermediates are, when the forward returns), storing it freed its memory;
-        still alive then, it was held elsewhere (by the caller, or by compiled code that saved
-        it as an input without these hooks, whose backward releases it), and storing it freed
-        nothing: its site learns so at the next step (``StepCollector.demand``). Runs in
-        whatever thread released it, without the lock."""
-        if (
-            watch.step == self._collector.stats.step
-            and not self._backward_seen
-            and torch._C._current_graph_task_id() == -1
-        ):
-            watch.freed = True
+        """The tensor a stored tensor's handle was made from was released. During a backward
+        before its first unpack of the step, it was alive when the backward began, like the
+        tensors ``_backward_begins`` counts: held past the forward by what saved it without
+        these hooks (compiled code that saved it as an input, whose backward ran first), so
+        storing it freed nothing. Runs in whatever thread released it, without the lock."""
+        collector, site = watch.step
+        if collector is self._collector and not self._backward_seen and torch._C._current_graph_task_id() != -1:
+            collector.released_in_backward.append(site)
 
     def unpack_hook(self, other):
         """The unpack hook: ``hook(packed)`` restores what the pack hook returned in eager
@@ -325,6 +332,8 @@ class Session:
         Raises:
             RuntimeError: the saved tensor was modified in place since it was saved.
         """
+        if not self._backward_seen:
+            self._backward_begins()
         self._backward_seen = True
         if self._double_backward_task is not None and torch._C._current_graph_task_id() != self._double_backward_task:
             self._double_backward_task = None  # another backward ran since

@@ -126,10 +126,14 @@ class StepCollector:
         self.holds = False
         """Whether a tensor of this step is held until its arena confirms it (not sure to
         fit): only then do stores poll the arenas' reports."""
-        self.watches: list = []
-        """The weak reference to the original of each tensor the step stored (or measured)
-        in eager autograd, whose ``freed`` says whether storing it freed memory
-        (``Session._watch_ended``)."""
+        self.outlived: dict[object, int] = {}
+        """Per save site, the dense bytes of its stored (or measured) tensors that were still
+        alive elsewhere when the step's backward began (``StoredTensor.outlived``): storing
+        those freed nothing."""
+        self.released_in_backward: list[object] = []
+        """The save site of each stored (or measured) tensor released during the backward
+        before the step's first unpack (``Session._watch_ended``): alive when the backward
+        began, as ``outlived`` counts, but no longer when the first unpack counted."""
         self.appends: list[tuple] = []
         """``(arena, number, site, stored)`` per append of the step (``Arena.submit``'s number;
         ``stored``: compressed, not only measured), read by ``demand`` and ``stored``: what
@@ -147,9 +151,9 @@ class StepCollector:
     def demand(self) -> dict:
         """What the step's appends took, once the arenas delivered their ends (``drain``), per
         save site (a ``hooks.handles.Site``), measured tensors included: ``[arena, dense bytes
-        freed (not those of tensors whose originals outlived the forward), fixed words, value
-        words, most value words]``. Read at every step's start: only these sums (``stored`` is
-        the statistics' own)."""
+        freed (those of ``outlived`` tensors left out), fixed words, value words, most value
+        words]``. Read at every step's start: only these sums (``stored`` is the statistics'
+        own)."""
         sites: dict[object, list] = {}
         for arena, site, _, start, end in self._delivered():
             words = end - start
@@ -161,10 +165,10 @@ class StepCollector:
                 totals[2] += site.fixed_words
                 totals[3] += words
                 totals[4] += site.max_value_words
-        for watch in self.watches:
-            totals = sites.get(watch.site)
-            if not watch.freed and totals is not None:
-                totals[1] = max(0, totals[1] - watch.site.dense_bytes)
+        outlived = [*self.outlived.items(), *((site, site.dense_bytes) for site in self.released_in_backward)]
+        for site, dense_bytes in outlived:
+            if site in sites:
+                sites[site][1] = max(0, sites[site][1] - dense_bytes)
         return sites
 
     def _delivered(self):
