@@ -306,7 +306,12 @@ class Session:
         before its first unpack of the step, it was alive when the backward began, like the
         tensors ``_backward_begins`` counts: held past the forward by what saved it without
         these hooks (compiled code that saved it as an input, whose backward ran first), so
-        storing it freed nothing. Runs in whatever thread released it, without the lock."""
+        storing it freed nothing. Runs in whatever thread released it, without the lock.
+
+        A stored tensor counts as freed unless this or ``_backward_begins`` says otherwise, not
+        the reverse: a callback that an exception (Ctrl-C) cuts short then leaves its site
+        stored, which a later step corrects, where the reverse would keep the site dense for
+        good (``StepCollector.demand`` finds it freed nothing)."""
         collector, site = watch.step
         if collector is self._collector and not self._backward_seen and torch._C._current_graph_task_id() != -1:
             collector.released_in_backward.append(site)
