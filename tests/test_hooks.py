@@ -1924,6 +1924,28 @@ def test_ctrl_c_anywhere_in_a_step_leaves_the_library_working():
     assert ctrl_c_sweep(60) > 200
 
 
+def test_ctrl_c_in_a_release_callback_leaves_its_site_stored(monkeypatch):
+    """Ctrl-C in the callback that hears of a stored tensor's original being released (it
+    runs wherever the release happens, as the forward returns): the site is stored at every
+    later step, as the callback only ever finds a tensor held, never one freed."""
+    model, x = mlp(), mlp_input()
+    expected = train_step(model, x, contextlib.nullcontext())
+    ended, calls = manager.Session._watch_ended, []
+
+    def cut_short(session, watch):
+        calls.append(watch)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        ended(session, watch)
+
+    monkeypatch.setattr(manager.Session, "_watch_ended", cut_short)
+    monkeypatch.setattr(sys, "unraisablehook", functools.partial(_drop_interrupts, sys.unraisablehook))
+    for _ in range(3):
+        assert_same_grads(train_step(model, x, bitsparse.compressing(**OPTIONS)), expected)
+        assert bitsparse.stats().tensors_compressed == 2
+    assert len(calls) == 6
+
+
 def test_ctrl_c_on_the_last_line_of_a_blocks_entry_leaves_no_block_in_effect():
     """Ctrl-C as ``compressing.__enter__`` returns, its entry recorded: ``with`` calls no
     ``__exit__``, so the entry itself must be undone, or this thread would count a block in
