@@ -20,6 +20,9 @@ from bitsparse.codecs import triton_available
 CHUNK_BYTES = 1 << 26
 """Float32 working memory of the PyTorch version."""
 BLOCK = 4096
+TRITON = triton_available()
+"""Read once: a compiled graph traces ``_loss_and_gradient_in_place``, and Dynamo warns at
+every cached function it traces through."""
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -46,7 +49,7 @@ def _loss_and_gradient_in_place(logits: torch.Tensor, targets: torch.Tensor) -> 
     ``(softmax - one_hot) / rows``."""
     rows, vocab = logits.shape
     losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    if logits.is_cuda and triton_available():
+    if logits.is_cuda and TRITON:
         from bitsparse.bench import cross_entropy_triton
 
         cross_entropy_triton.loss_and_gradient_in_place(logits, targets, losses, BLOCK)
