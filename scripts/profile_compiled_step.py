@@ -5,7 +5,8 @@ Prints the median GPU step time over interleaved rounds (CUDA events), the host 
 the mode and of the forward, and the memory per token; then, from one profiled step of each mode,
 with a spin kernel marking the step's start and the end of its forward: the time from the mark
 to the first kernel and to the compiled graph's first kernel, and the kernels' busy and idle time
-in the forward and the backward; then the kernels whose total time differs between the modes.
+in the forward and the backward, and the longest idle gaps with the kernels around them; then the
+kernels whose total time differs between the modes.
 Usage: python scripts/profile_compiled_step.py [--length T] [--rounds N] [--compile-scope model|block]
 """
 
@@ -26,6 +27,7 @@ from bitsparse.bench.training import COMPILE_SCOPES, compiled
 
 MODES = {"compiled dense": torch.enable_grad, "compiled bitsparse": bitsparse.compressing}
 MARK = "spin_kernel"
+GAPS = 8
 
 
 def main() -> None:
@@ -96,6 +98,11 @@ def main() -> None:
             f"{mode:<20}{(forward[0]['ts'] - mark_end) / 1e3:>12.3f}{(first_graph['ts'] - mark_end) / 1e3:>10.3f}"
             f"{_busy(forward):>10.2f}{_idle(forward):>10.2f}{_busy(backward):>10.2f}{_idle(backward):>10.2f}"
         )
+    print(f"\nthe {GAPS} longest idle gaps of each part: start (ms after the part's first kernel), length, between")
+    for mode, (forward, backward, _) in kernels.items():
+        for part, part_kernels in (("forward", forward), ("backward", backward)):
+            for start, gap, before, after in _gaps(part_kernels):
+                print(f"  {mode:<20}{part:<9}{start:>8.3f} ms {gap:>7.0f} us  {before[:40]} -> {after[:40]}")
     print("\nkernels whose time differs by more than 20 us (dense -> bitsparse, count and ms):")
     for part, index in (("forward", 0), ("backward", 1)):
         dense, sparse = (_by_name(kernels[mode][index]) for mode in MODES)
@@ -128,6 +135,17 @@ def _busy(kernels: list) -> float:
 def _idle(kernels: list) -> float:
     span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
     return span / 1e3 - _busy(kernels)
+
+
+def _gaps(kernels: list) -> list[tuple[float, float, str, str]]:
+    """The ``GAPS`` longest stretches without a kernel: their start (ms from the first kernel),
+    length (us) and the kernels before and after, in time order."""
+    origin = kernels[0]["ts"]
+    gaps = [
+        ((a["ts"] + a["dur"] - origin) / 1e3, b["ts"] - a["ts"] - a["dur"], a["name"], b["name"])
+        for a, b in zip(kernels, kernels[1:])
+    ]
+    return sorted(sorted(gaps, key=lambda g: -g[1])[:GAPS])
 
 
 def _by_name(kernels: list) -> dict:
