@@ -550,15 +550,18 @@ class Arena:
         return self._ends
 
     def _deliver(self, wait: bool) -> None:
-        slot, callback = self._pending.popleft()
+        slot, callback = self._pending[0]
+        if wait and not self._report_ends[slot][0]:
+            # Before anything changes: an exception (Ctrl-C) while it waits, the likeliest
+            # place for one, leaves the report to a later delivery.
+            self._wait_for(slot)
+        self._pending.popleft()
         words, held, sure = self._claims[slot]
         if held:
             self._throttled -= 1
             self._held_words -= held
         if held or callback is not None:
             self._awaited -= 1
-        if wait and not self._report_ends[slot][0]:
-            self._wait_for(slot)
         report = self._report_ends[slot]
         end = int(report[0]) - 1
         report[0] = 0  # a free slot's word is 0 (here, not when it is taken: the forward has less to do)
@@ -580,9 +583,10 @@ class Arena:
 
     def _deliver_measured(self) -> None:
         """Deliver the oldest append measured in host memory, waiting for its words if needed."""
-        tile_words = self._measured.popleft()
+        tile_words = self._measured[0]
         if tile_words.min() < 0:  # the device writes no negative word: some are still to come
-            self._spin_until(lambda: tile_words.min() >= 0)
+            self._spin_until(lambda: tile_words.min() >= 0)  # before anything changes, as in _deliver
+        self._measured.popleft()
         # From the last end in ``ends``, not ``_last_end``, which an exception (Ctrl-C) may
         # have left one append behind (see _deliver).
         end = (self._ends[-1] if self._ends else 0) + int(tile_words.sum())

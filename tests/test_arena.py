@@ -683,6 +683,46 @@ def test_a_wait_stops_once_the_reports_make_the_append_sure():
     assert device.reports == [(0, 100), (100, 200), (200, 300), (300, 400)]
 
 
+def test_a_wait_cut_short_leaves_its_report_to_a_later_delivery():
+    """An exception (Ctrl-C) while the host waits for a report loses nothing: the report is
+    delivered later, its callback called, its slot freed, and the ends stay one per append."""
+    arena = Arena("cpu", 4 * 4096, fixed_fraction=0.25, window=1, asynchronous=True)  # 3071 value words
+    device = SimulatedDevice(arena)
+    assert device.append(2000, 100) and device.append(500, 100)
+    catch_up = arena._wait_for
+
+    def interrupted(slot: int) -> None:
+        arena._wait_for = catch_up
+        raise KeyboardInterrupt
+
+    arena._wait_for = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        arena.drain()
+    arena.drain()
+    assert device.reports == [(0, 100), (100, 200)] and arena.ends() == [100, 200]
+    assert sorted(arena._free_reports) == list(range(len(arena._report_slots)))
+    assert arena._awaited == arena._throttled == arena._held_words == 0
+
+
+def test_a_wait_for_measured_words_cut_short_leaves_them_to_a_later_delivery(monkeypatch):
+    """As above, for the words of an append measured in host memory."""
+    arena = Arena("cpu")
+    tile_words = arena.next_measure(3)
+    assert arena.submit_measure(tile_words) == 0
+    spin = arena._spin_until
+
+    def interrupted(arrived) -> None:
+        monkeypatch.setattr(arena, "_spin_until", spin)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(arena, "_spin_until", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        arena.drain()
+    tile_words.copy_(torch.tensor([5, 6, 7]))  # the device's words arrive
+    arena.drain()
+    assert arena.ends() == [18]
+
+
 def expecting(dense_words: int, window: int | None = None) -> tuple[Arena, SimulatedDevice]:
     """An arena of 4095 words (3071 of values) in a step whose tensors are expected to take
     ``dense_words`` dense."""
