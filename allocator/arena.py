@@ -554,14 +554,12 @@ class Arena:
         if wait and not self._report_ends[slot][0]:
             # Before anything changes: an exception (Ctrl-C) while it waits, the likeliest
             # place for one, leaves the report to a later delivery.
-            self._wait_for(slot)
-        self._pending.popleft()
-        words, held, sure = self._claims[slot]
-        if held:
-            self._throttled -= 1
-            self._held_words -= held
-        if held or callback is not None:
-            self._awaited -= 1
+            try:
+                self._wait_for(slot)
+            except RuntimeError:  # it never comes: the deliveries after it go on without it
+                self._take_oldest()
+                raise
+        words, sure = self._take_oldest()
         report = self._report_ends[slot]
         end = int(report[0]) - 1
         report[0] = 0  # a free slot's word is 0 (here, not when it is taken: the forward has less to do)
@@ -581,11 +579,27 @@ class Arena:
         if callback is not None:
             callback(start, end)
 
+    def _take_oldest(self) -> tuple[int, bool]:
+        """Take the oldest pending append off the queue and out of the counts that wait for
+        it; return the value words it may take at most and whether it was sure to fit."""
+        slot, callback = self._pending.popleft()
+        words, held, sure = self._claims[slot]
+        if held:
+            self._throttled -= 1
+            self._held_words -= held
+        if held or callback is not None:
+            self._awaited -= 1
+        return words, sure
+
     def _deliver_measured(self) -> None:
         """Deliver the oldest append measured in host memory, waiting for its words if needed."""
         tile_words = self._measured[0]
         if tile_words.min() < 0:  # the device writes no negative word: some are still to come
-            self._spin_until(lambda: tile_words.min() >= 0)  # before anything changes, as in _deliver
+            try:  # before anything changes, as in _deliver
+                self._spin_until(lambda: tile_words.min() >= 0)
+            except RuntimeError:  # they never come
+                self._measured.popleft()
+                raise
         self._measured.popleft()
         # From the last end in ``ends``, not ``_last_end``, which an exception (Ctrl-C) may
         # have left one append behind (see _deliver).

@@ -723,6 +723,37 @@ def test_a_wait_for_measured_words_cut_short_leaves_them_to_a_later_delivery(mon
     assert arena.ends() == [18]
 
 
+def test_a_report_that_never_comes_raises_once_and_the_arena_goes_on(monkeypatch):
+    """An append that never reports (never queued on the device: a caller's bug) raises when
+    waited for, and is then let go: the reports after it are delivered, and the arena empties
+    for the next step."""
+    monkeypatch.setattr("bitsparse.allocator.arena.REPORT_TIMEOUT_S", 0.01)
+    arena = Arena("cpu", 4 * 4096, fixed_fraction=0.25, window=1, asynchronous=True)  # 3071 value words
+    slot, _, _ = arena.next_report(100, 0)
+    arena.submit(slot)  # never run
+    device = SimulatedDevice(arena)
+    device.append(100, 100)
+    device.run(1)
+    wait = Arena._wait_for.__get__(arena)
+    monkeypatch.setattr(arena, "_wait_for", wait)  # the arena's own wait: it never arrives
+    with pytest.raises(RuntimeError, match="never reported its end"):
+        arena.drain()
+    arena.drain()
+    assert device.reports == [(0, 100)]
+    assert arena.begin_step(0, 0) and arena.ends() == []
+
+
+def test_measured_words_that_never_come_raise_once_and_the_arena_goes_on(monkeypatch):
+    """As above, for an append measured in host memory whose words never arrive."""
+    monkeypatch.setattr("bitsparse.allocator.arena.REPORT_TIMEOUT_S", 0.01)
+    arena = Arena("cpu")
+    arena.submit_measure(arena.next_measure(3))  # never written
+    with pytest.raises(RuntimeError, match="never reported its end"):
+        arena.drain()
+    arena.drain()
+    assert arena.begin_step(0, 0)
+
+
 def expecting(dense_words: int, window: int | None = None) -> tuple[Arena, SimulatedDevice]:
     """An arena of 4095 words (3071 of values) in a step whose tensors are expected to take
     ``dense_words`` dense."""
