@@ -50,7 +50,10 @@ an arena without one holds no device memory at all. It measures in host memory i
 once they have all arrived.
 
 Leases tie the arena's contents to their users: while any lease is open, ``begin_step``
-keeps them. Otherwise it sizes both regions to the most that any of the last
+keeps them, and the new step appends after them; the plan that empties the arena next
+counts those steps' demand together (a generator's tensors kept alive through a
+discriminator's step, then both backwards, find room together from then on). Otherwise it
+sizes both regions to the most that any of the last
 ``DEMAND_STEPS`` steps needed (plus headroom), so that steps of different sizes in turn (a
 longer batch every other step, two models trained by turns) each find room, and empties
 them. The device part never exceeds what the stored tensors of the smallest of those steps
@@ -220,6 +223,12 @@ class Arena:
         self._demands: collections.deque = collections.deque(maxlen=DEMAND_STEPS)
         """(fixed, value, most value) words each recent step that stored anything asked for,
         and the dense words of its tensors (None: not known), newest last."""
+        self._carried: tuple | None = None
+        """The demand of the steps that began while a lease was open, added up, since the
+        arena was last emptied (None: none such)."""
+        self.kept_steps = 0
+        """The steps in a row that began while a lease was open (``begin_step`` kept the
+        arena's contents)."""
         self._asynchronous = self._cuda if asynchronous is None else asynchronous
         self.spill = spill
         self._spill_refused = False
@@ -653,7 +662,10 @@ class Arena:
         """Empty the arena for a new step, unless a lease is open; return whether it did. The
         last step needed ``fixed_words`` and ``value_words`` (None when it asked nothing of
         the arena, which says nothing of the next) for tensors that take ``dense_words`` dense
-        (None: not known) and whose values could take ``most_value_words`` at most.
+        (None: not known) and whose values could take ``most_value_words`` at most. Where a
+        lease is open, that step's demand is carried over and added to that of the step
+        that empties the arena next (``kept_steps`` counts such steps in a row): all of them
+        filled one buffer.
 
         Before emptying, it delivers the last step's reports and, if ``growable`` and the
         demand is known, plans each region at the most that any of the last ``DEMAND_STEPS``
@@ -669,15 +681,23 @@ class Arena:
         ``reserve_fixed``. The step's hold allowance is ``dense_words`` less the arena's
         device memory.
         """
+        demand = (fixed_words, value_words, most_value_words, dense_words)
         if self.leased:
+            # The step's appends go on after what the live tensors hold, in the same buffer:
+            # the plan that empties it counts the steps since it last did together.
+            self._carried = _added(self._carried, demand)
+            self.kept_steps += 1
             return False
+        if self._carried is not None:
+            demand, self._carried = _added(self._carried, demand), None
+            fixed_words, value_words, most_value_words, dense_words = demand
+        self.kept_steps = 0
         self.drain()
         self._expected_dense_words = dense_words or 0
         # Every append of the last step (measured ones too) may need a start word in this one.
         if self._appends > self._wanted_start_slots:
             self._wanted_start_slots = math.ceil(self._appends * HEADROOM)
         if self.growable and fixed_words is not None:
-            demand = (fixed_words, value_words, most_value_words, dense_words)
             if fixed_words:
                 self._demands.append(demand)
             steps = self._demands if fixed_words else (*self._demands, demand)
@@ -774,6 +794,19 @@ class Arena:
         rounded up to the caching allocator's 512-byte blocks."""
         start_bytes = -(-8 * self._wanted_start_slots // ALLOCATOR_BLOCK) * ALLOCATOR_BLOCK
         return (ALLOCATOR_BLOCK + start_bytes + 2 * ALLOCATOR_BLOCK) // WORD_BYTES
+
+
+def _added(earlier: tuple | None, later: tuple) -> tuple:
+    """The demands (fixed, value, most value and dense words; see ``Arena.begin_step``) of
+    two steps that filled the arena together: a step that asked nothing (fixed words None)
+    adds nothing, and the dense words are not known where either step's are not."""
+    if earlier is None or earlier[0] is None:
+        return later
+    if later[0] is None:
+        return earlier
+    fixed, values, most = (a + b for a, b in zip(earlier[:3], later[:3]))
+    dense = None if earlier[3] is None or later[3] is None else earlier[3] + later[3]
+    return fixed, values, most, dense
 
 
 def _within_dense(fixed: int, values: int, smallest: tuple) -> tuple[int, int]:

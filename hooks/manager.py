@@ -625,7 +625,10 @@ class Session:
         self._stale_arenas = False
         for arena, (fixed_words, value_words, dense_words, most_words) in demand.items():
             values = arena.values
-            self._stale_arenas |= not arena.begin_step(fixed_words, value_words, dense_words, most_words)
+            # A graph that outlives one step (a generator's, through a discriminator's step) is
+            # planned for; one held for longer is what the warning is about.
+            began = arena.begin_step(fixed_words, value_words, dense_words, most_words)
+            self._stale_arenas |= not began and arena.kept_steps > 1
             if arena.values is not values:  # released: the sites must not keep it alive
                 self._forget_buffers()
         self._step += 1

@@ -524,6 +524,32 @@ def test_steps_of_two_sizes_in_turn_each_find_room():
     assert arena.fixed_capacity_words == math.ceil(HEADROOM * 12 * fixed_words(4096))
 
 
+def test_a_step_begun_while_leased_is_planned_with_the_step_before_it():
+    # A generator's tensors kept alive through a discriminator's step: the second step
+    # appends after the first's, and the plan that empties the arena counts both together,
+    # so that from then on both fit. Without that, the arena stays sized for one of them.
+    arena = Arena("cpu")
+    first = [relu_like(4096, 0.9, i) for i in range(6)]
+    second = [relu_like(4096, 0.9, i) for i in range(6, 9)]
+    run_step(arena, first)
+    for round_ in range(2):
+        store = Store(arena)
+        compressed = [store(x) for x in first]
+        lease = arena.open_lease()  # the first step's tensors stay alive
+        first_demand = demand(arena)
+        assert not arena.begin_step(*first_demand, 6 * 4096) and arena.kept_steps == 1
+        compressed += [store(x) for x in second]
+        both = demand(arena)
+        if round_ == 1:
+            assert_all_fit_exactly(compressed, first + second)
+        else:
+            assert not all(c is not None and c.fits() for c in compressed)
+        lease.release()
+        second_demand = (both[0] - first_demand[0], both[1] - first_demand[1])
+        assert arena.begin_step(*second_demand, 3 * 4096) and arena.kept_steps == 0
+    assert arena.fixed_capacity_words == math.ceil(HEADROOM * 9 * fixed_words(4096))
+
+
 def test_the_device_regions_never_take_more_than_the_smallest_recent_step_dense():
     # At 50% zeros the big step's tensors need more room than the small step's take dense:
     # the arena holds no more than that, so that the small step is no worse off with it, and

@@ -2090,6 +2090,43 @@ def test_a_graph_kept_without_backward_is_warned_about_once():
     assert bitsparse.stats().fallbacks == {}
 
 
+def test_a_graph_that_lives_through_one_more_step_finds_room_from_then_on():
+    """A GAN's generator output feeds the discriminator's step, whose backward ends it, and
+    then the generator's step: the generator's compressed tensors stay alive through the
+    discriminator's step, which appends after them. The arena plans for the two together
+    (once the demands of the first steps, which only measured, have aged out): then every
+    tensor of both is compressed, and nothing is warned about. Gradients stay exact all along."""
+    generator, discriminator = mlp(d_out=32, seed=1), mlp(d_out=1, seed=2)
+    z, real = mlp_input(3), mlp_input(4)
+
+    def gan_step(ctx):
+        zero_grads(generator, z)
+        zero_grads(discriminator, real)
+        with ctx:
+            fake = generator(z)
+            d_loss = discriminator(real).mean() - discriminator(fake.detach()).mean()
+        d_loss.backward()
+        with ctx:
+            g_loss = -discriminator(fake).mean()
+        g_loss.backward()
+        return grads(generator, z) + grads(discriminator, real)
+
+    expected = gan_step(contextlib.nullcontext())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(DEMAND_STEPS + 3):
+            assert_same_grads(gan_step(bitsparse.compressing(min_numel=MIN_NUMEL)), expected)
+    s = bitsparse.stats()  # of the generator's step
+    assert s.fallbacks == {} and s.tensors_compressed == 2, str(s)
+    with bitsparse.compressing(min_numel=MIN_NUMEL):  # the discriminator's step, with the generator's
+        fake = generator(z)
+        discriminator(fake.detach()).mean().backward()
+    s = bitsparse.stats()
+    assert s.fallbacks == {} and s.tensors_compressed == 4, str(s)
+    del fake
+    assert alive() == 0
+
+
 def test_torch_func_transforms_refuse_saved_tensor_hooks():
     """A PyTorch limitation the docs state: torch.func.grad will not run under any
     saved-tensor hooks; outside the block it runs as usual."""
