@@ -52,7 +52,7 @@ once they have all arrived.
 Leases tie the arena's contents to their users: while any lease is open, ``begin_step``
 keeps them, and the new step appends after them; the plan that empties the arena next
 counts those steps' demand together (a generator's tensors kept alive through a
-discriminator's step, then both backwards, find room together from then on). Otherwise it
+discriminator's step, then both backwards, find room together). Otherwise it
 sizes both regions to the most that any of the last
 ``DEMAND_STEPS`` steps needed (plus headroom), so that steps of different sizes in turn (a
 longer batch every other step, two models trained by turns) each find room, and empties
@@ -221,8 +221,9 @@ class Arena:
         self._expected_dense_words = 0
         """What the step's tensors are expected to take dense (see ``begin_step``)."""
         self._demands: collections.deque = collections.deque(maxlen=DEMAND_STEPS)
-        """(fixed, value, most value) words each recent step that stored anything asked for,
-        and the dense words of its tensors (None: not known), newest last."""
+        """(fixed, value, most value) words each recent step that stored anything asked for
+        (or the steps that filled the arena together, added up: see ``begin_step``), and the
+        dense words of its tensors (None: not known), newest last."""
         self._carried: tuple | None = None
         """The demand of the steps that began while a lease was open, added up, since the
         arena was last emptied (None: none such)."""

@@ -74,8 +74,9 @@ class Session:
         it is the last one that unpacked: the forward that goes on after it (a gradient
         penalty) belongs to the same step (see ``_step_over``)."""
         self._stale_arenas = False
-        """Whether an arena could not be emptied at this step's start (tensors of an
-        earlier step are alive), so tensors may fall back that would otherwise fit."""
+        """Whether an arena could not be emptied at this step's start nor at the last one's
+        (tensors of earlier steps are alive), so tensors may fall back that would otherwise
+        fit: a graph held longer than one more step, which the arena's plan does not follow."""
         self._warned_stale = False
         self._stored = SpanIndex()
         """The step's stored tensors by span, to store a storage saved again only once."""
