@@ -50,16 +50,15 @@ an arena without one holds no device memory at all. It measures in host memory i
 once they have all arrived.
 
 Leases tie the arena's contents to their users: while any lease is open, ``begin_step``
-keeps them, and the new step appends after them; the plan that empties the arena next
-counts those steps' demand together (a generator's tensors kept alive through a
-discriminator's step, then both backwards, find room together). Otherwise it
-sizes both regions to the most that any of the last
-``DEMAND_STEPS`` steps needed (plus headroom), so that steps of different sizes in turn (a
-longer batch every other step, two models trained by turns) each find room, and empties
-them. The device part never exceeds what the stored tensors of the smallest of those steps
-take dense: a step like any of them then holds less with the arena than it would hold
-without it. The arena starts empty unless given a capacity: a first step only measures (in
-host memory), and the next one has room for what the first needed.
+keeps them, and the new step appends after them; the plan that empties the arena next counts
+those steps' demand together (a generator's tensors kept alive through a discriminator's
+step, then both backwards, find room together). Otherwise it sizes both regions to the most
+that any of the last ``DEMAND_STEPS`` steps needed (plus headroom), so that steps of
+different sizes in turn (a longer batch every other step, two models trained by turns) each
+find room, and empties them. The device part never exceeds what the stored tensors of the
+smallest of those steps take dense: a step like any of them then holds less with the arena
+than it would hold without it. The arena starts empty unless given a capacity: a first step
+only measures (in host memory), and the next one has room for what the first needed.
 
 The arena knows nothing of autograd or of the format: it hands out words.
 """
