@@ -7,7 +7,10 @@ forward (the saved node, read when the graph is compiled). The rule is keyed by 
 do with a nonnegative lower bound, and a nonnegative upper bound alone (``clamp_max``) keeps
 what its input is; ``threshold`` does with a nonnegative threshold and a value
 of 0; a square (``pow`` with exponent 2, ``mul`` of a tensor by itself) of a ReLU-family tensor
-is one; and views and casts are looked through. Reading that costs a few attribute lookups per
+is one; a product with a ReLU-family factor keeps that factor's zeros (ReLU-family where every
+other factor is nonnegative: a dropout mask, a positive scale; worth trying where a factor's
+sign is not known: the gate of a ReGLU, ``relu(g(x)) * u(x)``); dropout keeps what its input
+is; and views and casts are looked through. Reading that costs a few attribute lookups per
 saved tensor and nothing per op (a ``TorchFunctionMode`` watching every op made the GPT step
 of docs/benchmarks.md 15% slower with nothing stored).
 
@@ -45,7 +48,7 @@ class Provenance(enum.Enum):
 
 # -- the rule, by op name ------------------------------------------------------------------
 
-OTHER, VIEW, HIDDEN, RELU, SQUARE = range(5)
+OTHER, VIEW, HIDDEN, RELU, SQUARE, PRODUCT = range(6)
 """What an op means here."""
 _MISSING = object()
 """A scalar the graph does not keep (autograd's threshold node drops its value)."""
@@ -88,7 +91,14 @@ def _pow(node, graph) -> int:
 
 
 def _mul(node, graph) -> int:
-    return SQUARE if graph.same_input_twice(node) else OTHER
+    return SQUARE if graph.same_input_twice(node) else PRODUCT
+
+
+def _getitem(node, graph) -> int:
+    """An output of an op with several (FX graphs only): a part of a split, or dropout's
+    values; dropout's second output is its mask, which says nothing of its input."""
+    source, index = node.args[0], node.args[1]
+    return OTHER if index != 0 and getattr(source.target, "_opname", None) == "native_dropout" else VIEW
 
 
 # Ops whose output holds (a subset of) their input's values, unchanged (a cast keeps zeros zero
@@ -96,7 +106,7 @@ def _mul(node, graph) -> int:
 _VIEW_OPS = (
     "alias", "as_strided", "clone", "expand", "narrow", "permute", "reshape", "select", "slice", "split",
     "split_with_sizes", "squeeze", "t", "transpose", "unbind", "unsqueeze", "view", "_unsafe_view", "_to_copy",
-    "convert_element_type", "getitem", "_reshape_alias", "detach",
+    "convert_element_type", "_reshape_alias", "detach",
 )  # fmt: skip
 OP_RULES = {
     "relu": RELU,
@@ -109,15 +119,19 @@ OP_RULES = {
     "mul": _mul,
     "copy_slices": HIDDEN,  # autograd's wrapper of an in-place op on a view
     "mark": RELU,  # bitsparse.mark in a compiled graph (hooks/compiled_ops.py)
+    # Zeros some values and scales the others by 1 / (1 - p), which is positive.
+    "native_dropout": VIEW,
+    "getitem": _getitem,
     **dict.fromkeys(_VIEW_OPS, VIEW),
 }
 """The rule: an op's name to what it means, or to a function of the node and its graph."""
 
 
-def _classify(node, graph) -> Provenance | None:
+def _classify(node, graph, depth: int = MAX_VIEW_DEPTH) -> Provenance | None:
     """The provenance of the values ``node`` outputs, looking back through views and squares
-    (the square of a ReLU-family tensor is one too)."""
-    for _ in range(MAX_VIEW_DEPTH):
+    (the square of a ReLU-family tensor is one too) and into the factors of products, at most
+    ``depth`` nodes deep along each path."""
+    for depth in range(depth, 0, -1):
         if node is None:
             return None
         kind = graph.kind(node)
@@ -127,8 +141,27 @@ def _classify(node, graph) -> Provenance | None:
             return Provenance.RELU
         if kind == HIDDEN:
             return Provenance.HIDDEN
+        if kind == PRODUCT:
+            return _product(node, graph, depth - 1)
         node = graph.input(node)
     return None
+
+
+def _product(node, graph, depth: int) -> Provenance | None:
+    """The provenance of a product: None without a ReLU-family factor; ``RELU`` when every
+    other factor is one too or known to be nonnegative; else ``HIDDEN`` (its zeros are those
+    of a ReLU-family factor at least, its sign is not known)."""
+    family, proven = False, True
+    for factor, nonnegative in graph.factors(node):
+        provenance = _classify(factor, graph, depth)
+        if provenance is not None:
+            family = True
+            proven = proven and provenance is Provenance.RELU
+        elif not nonnegative:
+            proven = False
+    if not family:
+        return None
+    return Provenance.RELU if proven else Provenance.HIDDEN
 
 
 @dataclass(frozen=True)
@@ -158,6 +191,7 @@ _AUTOGRAD_OPS = {
     "ThresholdBackward0": "threshold",
     "PowBackward0": "pow",
     "MulBackward0": "mul",
+    "NativeDropoutBackward0": "native_dropout",
     "CopySlices": "copy_slices",
     **dict.fromkeys(
         (
@@ -204,6 +238,13 @@ class _Autograd:
     @staticmethod
     def input(node):
         return node.next_functions[0][0]
+
+    @staticmethod
+    def factors(node):
+        """A product's factors, and whether each is known to be nonnegative: an edge's node
+        (None for a factor without gradient, a constant or mask, whose values the node does
+        not show)."""
+        return [(factor, False) for factor, _ in node.next_functions]
 
 
 UNRELATED_NODES: set[type] = set()
@@ -272,6 +313,19 @@ class _FX:
     @staticmethod
     def input(node):
         return node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+
+    @staticmethod
+    def factors(node):
+        """A product's factors, and whether each is known to be nonnegative: a node (a boolean
+        mask is) or a number (None in place of the node)."""
+        factors = []
+        for factor in node.args[:2]:
+            if isinstance(factor, torch.fx.Node):
+                value = factor.meta.get("val")
+                factors.append((factor, isinstance(value, torch.Tensor) and value.dtype == torch.bool))
+            else:
+                factors.append((None, _nonnegative(factor)))
+        return factors
 
 
 def classify_fx_node(node: torch.fx.Node) -> Provenance | None:

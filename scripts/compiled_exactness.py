@@ -1,13 +1,15 @@
 """Whole models compiled with and without BitSparse: gradients compared bit for bit.
 
-For each model: compile it whole (``torch.compile``), take two steps without BitSparse (the
-reference, and a check that the compiled model is deterministic), then three steps under
-``bitsparse.compressing()``, all under deterministic kernels, and print the parameters whose
-gradients differ from the reference, with what BitSparse stored. Models: torchvision's
-ResNet-50 (bf16 autocast, channels-last) and a Hugging Face ``OPTForCausalLM`` with ReLU
-(bf16, eager attention, no dropout). Needs torchvision and transformers.
-Usage: python scripts/compiled_exactness.py [--models resnet50 opt] [--opt-sizes HIDDEN FFN]
-       [--mode default|max-autotune-no-cudagraphs]
+For each model: compile it whole (``torch.compile``; with ``--eager``, not at all), take two
+steps without BitSparse (the reference, and a check that the model is deterministic), then
+three steps under ``bitsparse.compressing()``, all under deterministic kernels and each step
+from the same seed (dropout draws the same masks), and print the parameters whose gradients
+differ from the reference, with what BitSparse stored. Models: torchvision's ResNet-50 (bf16
+autocast, channels-last), a Hugging Face ``OPTForCausalLM`` with ReLU (bf16, eager attention,
+no dropout) and a ``T5ForConditionalGeneration`` (bf16, ReLU MLPs, dropout 0.1 after each
+ReLU and elsewhere, as T5's configurations have it). Needs torchvision and transformers.
+Usage: python scripts/compiled_exactness.py [--models resnet50 opt t5] [--opt-sizes HIDDEN FFN]
+       [--mode default|max-autotune-no-cudagraphs] [--eager]
 """
 
 import argparse
@@ -54,11 +56,33 @@ def opt(device: str, args: argparse.Namespace):
     return model, lambda compiled: compiled(input_ids=tokens, labels=tokens).loss
 
 
-MODELS = {"resnet50": resnet50, "opt": opt}
+def t5(device: str, args: argparse.Namespace):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=8000,
+        d_model=512,
+        d_ff=2048,
+        num_layers=3,
+        num_heads=8,
+        feed_forward_proj="relu",
+        dropout_rate=0.1,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
+    model = T5ForConditionalGeneration(config).to(device, torch.bfloat16)
+    inputs = torch.randint(config.vocab_size, (4, 512), device=device)
+    labels = torch.randint(config.vocab_size, (4, 512), device=device)
+    return model, lambda compiled: compiled(input_ids=inputs, labels=labels).loss
+
+
+MODELS = {"resnet50": resnet50, "opt": opt, "t5": t5}
 
 
 def gradients(model, loss, compiled, context) -> list:
     model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
     with context:
         value = loss(compiled)
     value.backward()
@@ -79,6 +103,7 @@ def main() -> None:
     parser.add_argument("--opt-sizes", nargs=2, type=int, default=(1024, 4096), metavar=("HIDDEN", "FFN"))
     parser.add_argument("--batch", type=int, default=32, help="ResNet-50's batch")
     parser.add_argument("--mode", default="default", help="torch.compile's mode")
+    parser.add_argument("--eager", action="store_true", help="run the models as they are, not compiled")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with deterministic_kernels():
@@ -87,7 +112,7 @@ def main() -> None:
             bitsparse.reset()
             torch.manual_seed(0)
             model, loss = MODELS[name](device, args)
-            compiled = torch.compile(model, mode=args.mode)
+            compiled = model if args.eager else torch.compile(model, mode=args.mode)
             names = [n for n, _ in model.named_parameters()]
             reference = gradients(model, loss, compiled, contextlib.nullcontext())
             unstable = differing(names, reference, gradients(model, loss, compiled, contextlib.nullcontext()))
@@ -96,7 +121,7 @@ def main() -> None:
                 differ.update(differing(names, reference, gradients(model, loss, compiled, bitsparse.compressing())))
             stats = bitsparse.stats()
             print(
-                f"{name}: {len(names)} parameters; without BitSparse, {len(unstable)} differ from run to run; "
+                f"{name}{' (eager)' if args.eager else ''}: {len(names)} parameters; without BitSparse, {len(unstable)} differ from run to run; "
                 f"with it, {len(differ - set(unstable))} others differ {sorted(differ - set(unstable))[:5]}; "
                 f"stored {stats.tensors_compressed} tensors, {stats.dense_bytes / 2**20:.0f} MiB in "
                 f"{stats.stored_bytes / 2**20:.0f} MiB, fallbacks {stats.fallbacks or 'none'}",

@@ -32,6 +32,7 @@ from test_hooks import (  # noqa: F401 (clean_session: autouse fixture, reportin
     mlp,
     mlp_input,
     reporting_arenas,
+    seeded,
     sequence_input,
     train_step,
     transformer,
@@ -42,7 +43,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import bitsparse
 from bitsparse.allocator.arena import DEMAND_STEPS
 from bitsparse.bench.models import GPT, GPTConfig
-from bitsparse.hooks import handles
+from bitsparse.hooks import compiled_ops, handles
 
 
 @pytest.fixture(autouse=True)
@@ -109,6 +110,30 @@ def test_compiled_bounded_relus_are_compressed(activation):
     stats, frames, _ = compiled_steps(model, mlp_input())
     assert frames == 1
     assert [s.tensors_compressed for s in stats] == [1, 1, 1]
+
+
+def test_compiled_dropout_of_a_relu_is_stored(monkeypatch):
+    """Inductor compiles dropout as ``relu * mask * scale``, with a mask of its own random
+    numbers, and the graph saves that product for the next Linear: stored with the bytes the
+    format gives it, gradients bit-identical to the compiled model's without BitSparse from
+    the same seed, and the boolean masks kept as they are."""
+    stored = []
+    store = compiled_ops._stored
+    monkeypatch.setattr(compiled_ops, "_stored", lambda x, *args: stored.append(x.clone()) or store(x, *args))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Dropout(0.25), nn.Linear(256, 10))
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter)
+    x = mlp_input()
+    expected = train_step(compiled, x, seeded(contextlib.nullcontext()))
+    for _ in range(3):
+        stored.clear()
+        assert_same_grads(train_step(compiled, x, seeded(bitsparse.compressing(**OPTIONS))), expected)
+        s = bitsparse.stats()
+        (product,) = stored
+        assert (s.tensors_compressed, s.fallbacks, s.dense_bytes) == (1, {}, 64 * 256 * 4)
+        assert s.stored_bytes == expected_nbytes(product)[0] and (product == 0).float().mean() > 0.6
+    assert counter.frame_count == 2 and alive() == 0  # once without the hooks, once with
 
 
 @pytest.mark.usefixtures("fused_backwards_on_the_cpu")

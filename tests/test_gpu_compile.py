@@ -3,7 +3,7 @@ model without it, no host synchronization in a compiled step, and no step above 
 
 import pytest
 import torch
-from test_gpu_hooks import _step_peaks, small_gpt, step_without_host_synchronization
+from test_gpu_hooks import _step_peaks, relu_product, small_gpt, step_without_host_synchronization
 
 import bitsparse
 from bitsparse.bench.training import deterministic_kernels
@@ -54,6 +54,21 @@ def test_compiled_gpt_bf16_gradients_are_bit_identical(scope, sign_pack):
         assert all(torch.equal(a, b) for a, b in zip(reference, got))
     stats = bitsparse.stats()
     assert stats.tensors_compressed == 3 and stats.fallbacks == {}, str(stats)
+
+
+@pytest.mark.parametrize("after", ["dropout", "reglu"])
+def test_compiled_products_that_keep_a_relus_zeros_stay_exact(after):
+    """Compiled, dropout's output (``relu * mask * scale``) is what the graph saves, and is
+    stored; a ReGLU's graph saves the ReLU output, stored, and computes the product again."""
+    model, loss_fn = relu_product(after)
+    model.compile()
+    reference = grads(model, loss_fn, torch.enable_grad())
+    assert all(torch.equal(a, b) for a, b in zip(reference, grads(model, loss_fn, torch.enable_grad())))
+    for _ in range(3):
+        got = grads(model, loss_fn, bitsparse.compressing(min_numel=1024))
+        assert all(torch.equal(a, b) for a, b in zip(reference, got))
+    stats = bitsparse.stats()
+    assert (stats.tensors_compressed, stats.fallbacks) == (1, {}), str(stats)
 
 
 def test_compiled_gpt_stores_each_relu_output_where_it_squares_it():

@@ -219,6 +219,48 @@ def test_cpu_suite_models_bf16_gradients_are_bit_identical(name):
     assert bitsparse.stats().tensors_compressed >= 1
 
 
+class ReluProduct(torch.nn.Module):
+    """``out(<after>(relu(fc(x))))``: dropout (T5's and VGG's MLPs; ``native_dropout`` on CUDA)
+    or a ReGLU's gate ``* up(x)`` (ProSparse's ReLU LLaMA)."""
+
+    def __init__(self, after: str, dim=512, hidden=2048):
+        super().__init__()
+        self.after = after
+        self.fc, self.up = torch.nn.Linear(dim, hidden), torch.nn.Linear(dim, hidden)
+        self.out = torch.nn.Linear(hidden, dim)
+        self.dropout = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        return self.out(self.dropout(h) if self.after == "dropout" else h * self.up(x))
+
+
+def relu_product(after: str):
+    """A bf16 ``ReluProduct`` on CUDA and its loss, each call from the same dropout mask."""
+    torch.manual_seed(0)
+    model = ReluProduct(after).cuda().to(torch.bfloat16)
+    x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
+
+    def loss_fn():
+        torch.manual_seed(1)
+        return model(x).float().square().mean()
+
+    return model, loss_fn
+
+
+@pytest.mark.parametrize("after", ["dropout", "reglu"])
+def test_products_that_keep_a_relus_zeros_are_stored_bit_exactly(after):
+    bitsparse.reset()
+    model, loss_fn = relu_product(after)
+    reference = plain_grads(model, loss_fn)
+    assert all(torch.equal(a, b) for a, b in zip(reference, plain_grads(model, loss_fn))), "dense runs disagree"
+    for _ in range(3):
+        got = grads_of(model, loss_fn, min_numel=1024)
+        assert all(torch.equal(a, b) for a, b in zip(reference, got))
+    stats = bitsparse.stats()
+    assert (stats.tensors_compressed, stats.fallbacks) == (2, {}), str(stats)
+
+
 # --------------------------------------------------------------------------------------------
 # Never worse off: no step peaks above the same step without BitSparse
 

@@ -221,6 +221,14 @@ def train_step(model, x, ctx, autocast=False):
     return grads(model, x)
 
 
+@contextlib.contextmanager
+def seeded(ctx):
+    """``ctx``, entered after seeding the generator that dropout draws from."""
+    torch.manual_seed(1)
+    with ctx:
+        yield
+
+
 def check_exact(model, x, steps=2, autocast=False, **options) -> list[Stats]:
     """Plain gradients, then ``steps`` compressed steps with the same gradients; their stats."""
     options = {**OPTIONS, **options}

@@ -10,7 +10,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_hooks import OPTIONS, alive, assert_same_grads, clean_session, train_step  # noqa: F401 (autouse fixture)
+from test_hooks import (  # noqa: F401 (clean_session: autouse fixture)
+    OPTIONS,
+    alive,
+    assert_same_grads,
+    clean_session,
+    expected_nbytes,
+    seeded,
+    train_step,
+)
 
 import bitsparse
 from bitsparse.hooks.provenance import Provenance, classify_node, squared_operand
@@ -49,7 +57,18 @@ CASES = {
     "relu() ** 2": (lambda x: F.relu(x) ** 2, RELU),
     "relu() ** 3": (lambda x: F.relu(x) ** 3, None),
     "relu() * relu()": (lambda x: _times_itself(F.relu(x)), RELU),
-    "relu(x) * relu(y)": (lambda x: F.relu(x) * F.relu(x * 2), None),
+    "relu(x) * relu(y)": (lambda x: F.relu(x) * F.relu(x * 2), RELU),
+    # A product keeps a ReLU-family factor's zeros; autograd does not show the sign of a
+    # factor without gradient (a scalar, a mask, dropout's noise on the CPU).
+    "relu() * x": (lambda x: F.relu(x) * x, HIDDEN),
+    "x * relu()": (lambda x: x * F.relu(x), HIDDEN),
+    "relu() * 2": (lambda x: F.relu(x) * 2, HIDDEN),
+    "(relu() * x).t()": (lambda x: (F.relu(x) * x).t(), HIDDEN),
+    "(relu() * relu()) * x": (lambda x: _times_itself(F.relu(x)) * x, HIDDEN),
+    "tanh() * x": (lambda x: torch.tanh(x) * x, None),
+    "dropout(relu()), CPU": (lambda x: F.dropout(F.relu(x), 0.25), HIDDEN),
+    "native_dropout(relu())": (lambda x: torch.native_dropout(F.relu(x), 0.25, True)[0], RELU),
+    "native_dropout(x)": (lambda x: torch.native_dropout(x, 0.25, True)[0], None),
     "relu().t()": (lambda x: F.relu(x).t(), RELU),
     "relu()[1:]": (lambda x: F.relu(x)[1:], RELU),
     "relu().view(-1)": (lambda x: F.relu(x).view(-1), RELU),
@@ -186,6 +205,49 @@ def test_an_overflow_does_not_teach_that_a_site_does_not_pay():
     assert steps[0].fallbacks == {"arena_full": 1}
     assert steps[1].fallbacks == {} and steps[1].tensors_compressed == 1
     assert "unprofitable_site" not in steps[1].tensors_skipped
+
+
+class ReluThen(nn.Module):
+    """``out(<after>(fc(x)))`` where ``after`` keeps a ReLU's zeros: dropout, as on the CPU
+    (a product with noise) and as on CUDA (``native_dropout``), or a ReGLU's gate."""
+
+    def __init__(self, after: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.after = after
+        self.fc, self.up, self.out = nn.Linear(32, 256), nn.Linear(32, 256), nn.Linear(256, 8)
+
+    def forward(self, x):
+        h = F.relu(self.fc(x))
+        if self.after == "dropout":
+            return self.out(F.dropout(h, 0.25))
+        if self.after == "native_dropout":
+            return self.out(torch.native_dropout(h, 0.25, True)[0])
+        return self.out(h * self.up(x))  # reglu
+
+
+@pytest.mark.parametrize("after", ["dropout", "native_dropout", "reglu"])
+def test_products_that_keep_a_relus_zeros_are_stored(after):
+    """What the second Linear saves is stored beside the ReLU output, bit for bit: dropout's
+    output (T5's and VGG's MLPs) or a ReGLU's product (ProSparse's ReLU LLaMA)."""
+    model = ReluThen(after)
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    expected = train_step(model, x, seeded(contextlib.nullcontext()))
+    torch.manual_seed(1)
+    relu = F.relu(model.fc(x))
+    if after == "dropout":
+        product = F.dropout(relu, 0.25)
+    elif after == "native_dropout":
+        product = torch.native_dropout(relu, 0.25, True)[0]
+    else:
+        product = relu * model.up(x)
+    nbytes = expected_nbytes(relu)[0] + expected_nbytes(product)[0]
+    assert (product == 0).float().mean() >= (relu == 0).float().mean() > 0.4  # as sparse as the ReLU's
+    for _ in range(3):
+        assert_same_grads(train_step(model, x, seeded(bitsparse.compressing(**OPTIONS))), expected)
+        s = bitsparse.stats()
+        assert (s.tensors_compressed, s.fallbacks) == (2, {}) and s.stored_bytes == nbytes
+    assert alive() == 0
 
 
 def test_squares_written_as_products_are_recomputed():
