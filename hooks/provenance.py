@@ -7,10 +7,11 @@ forward (the saved node, read when the graph is compiled). The rule is keyed by 
 do with a nonnegative lower bound, and a nonnegative upper bound alone (``clamp_max``) keeps
 what its input is; ``threshold`` does with a nonnegative threshold and a value
 of 0; a square (``pow`` with exponent 2, ``mul`` of a tensor by itself) of a ReLU-family tensor
-is one; a product with a ReLU-family factor keeps that factor's zeros (ReLU-family where every
-other factor is nonnegative: a dropout mask, a positive scale; worth trying where a factor's
-sign is not known: the gate of a ReGLU, ``relu(g(x)) * u(x)``); dropout keeps what its input
-is; and views and casts are looked through. Reading that costs a few attribute lookups per
+is one; a product with a ReLU-family factor is ReLU-family where every other factor is
+nonnegative (a dropout mask, a positive scale), and worth trying where a factor's sign is not
+known (a ReGLU's ``relu(g(x)) * u(x)``: zero where the ReLU is, but -0.0, to the format a value
+like any other, where ``u(x)`` is negative); dropout keeps what its input is; and views and
+casts are looked through. Reading that costs a few attribute lookups per
 saved tensor and nothing per op (a ``TorchFunctionMode`` watching every op made the GPT step
 of docs/benchmarks.md 15% slower with nothing stored).
 
@@ -149,8 +150,8 @@ def _classify(node, graph, depth: int = MAX_VIEW_DEPTH) -> Provenance | None:
 
 def _product(node, graph, depth: int) -> Provenance | None:
     """The provenance of a product: None without a ReLU-family factor; ``RELU`` when every
-    other factor is one too or known to be nonnegative; else ``HIDDEN`` (its zeros are those
-    of a ReLU-family factor at least, its sign is not known)."""
+    other factor is one too or known to be nonnegative; else ``HIDDEN`` (zero wherever a
+    ReLU-family factor is, but of either sign)."""
     family, proven = False, True
     for factor, nonnegative in graph.factors(node):
         provenance = _classify(factor, graph, depth)

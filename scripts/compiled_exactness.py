@@ -121,7 +121,8 @@ def main() -> None:
                 differ.update(differing(names, reference, gradients(model, loss, compiled, bitsparse.compressing())))
             stats = bitsparse.stats()
             print(
-                f"{name}{' (eager)' if args.eager else ''}: {len(names)} parameters; without BitSparse, {len(unstable)} differ from run to run; "
+                f"{name}{' (eager)' if args.eager else ''}: {len(names)} parameters; "
+                f"without BitSparse, {len(unstable)} differ from run to run; "
                 f"with it, {len(differ - set(unstable))} others differ {sorted(differ - set(unstable))[:5]}; "
                 f"stored {stats.tensors_compressed} tensors, {stats.dense_bytes / 2**20:.0f} MiB in "
                 f"{stats.stored_bytes / 2**20:.0f} MiB, fallbacks {stats.fallbacks or 'none'}",
