@@ -322,22 +322,31 @@ class ViewOf(Handle):
 
 
 class Recomputed(Handle):
-    """A tensor recomputed at unpack from another handle's tensor (the square of a ReLU),
-    with the op that computed it in the forward, so with the same bits.
+    """A tensor recomputed at unpack with the op that computed it in the forward, so with the
+    same bits, from its operands: other handles' tensors (a ReLU output, for its square), or
+    tensors kept as they are, with the versions they were saved at (a ReGLU's ``u`` in
+    ``relu(g) * u``).
 
     ``like`` is the saved view of the op's result: its geometry in that new tensor.
     """
 
-    __slots__ = ("source", "op", "size", "stride", "offset")
+    __slots__ = ("sources", "op", "size", "stride", "offset")
 
-    def __init__(self, source: Handle, op: Callable[[torch.Tensor], torch.Tensor], like: torch.Tensor):
+    def __init__(self, sources: tuple, op: Callable[..., torch.Tensor], like: torch.Tensor):
         super().__init__()
-        self.source = source
+        self.sources = sources
         self.op = op
         self.size, self.stride, self.offset = like.shape, like.stride(), like.storage_offset()
 
     def _restore(self) -> torch.Tensor:
-        # Not self.source.tensor(): that would keep the source's view cached for as long as
-        # this handle lives. The stored tensor underneath still decodes once per backward.
-        result = self.op(self.source._restore())
-        return result.as_strided(self.size, self.stride, self.offset)
+        operands = []
+        for source in self.sources:
+            if source.__class__ is tuple:
+                kept, version = source
+                check_version(kept, version)
+                operands.append(kept)
+            else:
+                # Not source.tensor(): that would keep the source's view cached for as long as
+                # this handle lives. The stored tensor underneath still decodes once per backward.
+                operands.append(source._restore())
+        return self.op(*operands).as_strided(self.size, self.stride, self.offset)

@@ -31,6 +31,7 @@ from bitsparse.hooks.provenance import (
     Marks,
     Provenance,
     classify_node,
+    product_operands,
     squared_operand,
 )
 from bitsparse.hooks.spans import SpanIndex, span_of
@@ -509,7 +510,7 @@ class Session:
         result = t._base if t._base is not None else t
         squared = squared_operand(result.grad_fn)
         if squared is None:
-            return None
+            return self._recompute_product(result)
         source, square = squared
         if source.__class__ is StoredTensor:
             stored, shape = source, source.site.shape
@@ -532,7 +533,37 @@ class Session:
         else:
             # Through a view, which decodes the stored tensor once per backward for all its slots.
             view = source if source is not stored else ViewOf(stored, shape, stored.site.stride, 0)
-            recomputed = Recomputed(view, square, result)
+            recomputed = Recomputed((view,), square, result)
+        self._stored.add(span_of(result), weakref.ref(recomputed), weakref.ref(result))
+        return recomputed
+
+    def _recompute_product(self, result: torch.Tensor) -> Handle | None:
+        """A handle that restores ``result``, a product of two tensors of its geometry and
+        dtype (a ReGLU's ``relu(g) * u``), one of them stored, with ``torch.mul`` from what
+        the product's node saved of them, as ``_recompute`` restores a square; None where the
+        node did not save both (a factor without gradient) or they are not such tensors."""
+        operands = product_operands(result.grad_fn)
+        if operands is None or result.storage_offset() != 0:
+            return None
+        like = (result.shape, result.stride(), result.dtype)
+        sources = []
+        for packed in operands:
+            if packed.__class__ is tuple:  # kept as it is, with its version
+                kept = packed[0]
+                geometry, source = (kept.shape, kept.stride(), kept.dtype), packed
+            elif packed.__class__ is StoredTensor:
+                site = packed.site
+                geometry, source = (site.shape, site.stride, site.dtype), ViewOf(packed, site.shape, site.stride, 0)
+            elif packed.__class__ is ViewOf and packed.source.__class__ is StoredTensor:
+                geometry, source = (packed.size, packed.stride, packed.source.site.dtype), packed
+            else:  # saved without these hooks
+                return None
+            if geometry != like:
+                return None
+            sources.append(source)
+        if all(source.__class__ is tuple for source in sources):
+            return None  # nothing stored to recompute from: stored itself
+        recomputed = Recomputed(tuple(sources), torch.mul, result)
         self._stored.add(span_of(result), weakref.ref(recomputed), weakref.ref(result))
         return recomputed
 

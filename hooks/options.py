@@ -46,7 +46,8 @@ class Options:
             the window only applies to a first step with an explicit capacity and to steps
             that store more tensors than the last.
         recompute_squares: restore ``relu(x) ** 2`` from the stored ``relu(x)``, with the op
-            the forward used, rather than storing it too. In compiled graphs the
+            the forward used, rather than storing it too; likewise a product whose node saved
+            both factors, one of them stored (a ReGLU's ``relu(g) * u``), with ``torch.mul``. In compiled graphs the
             partitioner is steered to recompute such squares, whatever this says.
         host_spill: on CUDA, continue the arena's value region in pinned host memory (up to
             a quarter of the host's available memory, divided among its GPUs), sized from

@@ -279,6 +279,17 @@ def squared_operand(node) -> tuple[object, Square] | None:
     return (saved, Square(None)) if node._raw_saved_other.data is saved else None
 
 
+def product_operands(node) -> tuple[object, object] | None:
+    """What the autograd ``node`` of a product of two tensors (``MulBackward0``, not a square)
+    saved of its factors, as the pack hook returned them (without unpacking, as in
+    ``squared_operand``); None for another node, or where it did not save both (a factor
+    without gradient: the node needs only the other)."""
+    if node is None or _Autograd.kind(node) != PRODUCT:
+        return None
+    first, second = node._raw_saved_self.data, node._raw_saved_other.data
+    return None if first is None or second is None else (first, second)
+
+
 # -- FX graphs -------------------------------------------------------------------------------
 
 

@@ -228,10 +228,14 @@ class ReluThen(nn.Module):
         return self.out(h * self.up(x))  # reglu
 
 
-@pytest.mark.parametrize("after", ["dropout", "native_dropout", "reglu"])
-def test_products_that_keep_a_relus_zeros_are_stored(after):
-    """What the second Linear saves is stored beside the ReLU output, bit for bit: dropout's
-    output (T5's and VGG's MLPs) or a ReGLU's product (ProSparse's ReLU LLaMA)."""
+@pytest.mark.parametrize(
+    "after, recompute", [("dropout", True), ("native_dropout", True), ("reglu", True), ("reglu", False)]
+)
+def test_products_that_keep_a_relus_zeros_are_stored_or_recomputed(after, recompute):
+    """What the second Linear saves is dropout's output (T5's and VGG's MLPs), stored beside
+    the ReLU output, or a ReGLU's product (ProSparse's ReLU LLaMA), recomputed from the ReLU
+    output and ``up(x)``, which its node saved (stored, with ``recompute_squares=False``):
+    gradients bit for bit either way."""
     model = ReluThen(after)
     x = torch.randn(4, 16, 32, requires_grad=True)
     expected = train_step(model, x, seeded(contextlib.nullcontext()))
@@ -243,12 +247,32 @@ def test_products_that_keep_a_relus_zeros_are_stored(after):
         product = torch.native_dropout(relu, 0.25, True)[0]
     else:
         product = relu * model.up(x)
-    nbytes = expected_nbytes(relu)[0] + expected_nbytes(product)[0]
+    recomputed = after == "reglu" and recompute
+    nbytes = expected_nbytes(relu)[0] + (0 if recomputed else expected_nbytes(product)[0])
     assert (product == 0).float().mean() >= (relu == 0).float().mean() > 0.7  # as sparse as the ReLU's
+    options = {**OPTIONS, "recompute_squares": recompute}
     for _ in range(3):
-        assert_same_grads(train_step(model, x, seeded(bitsparse.compressing(**OPTIONS))), expected)
+        assert_same_grads(train_step(model, x, seeded(bitsparse.compressing(**options))), expected)
         s = bitsparse.stats()
-        assert (s.tensors_compressed, s.fallbacks) == (2, {}) and s.stored_bytes == nbytes
+        assert (s.tensors_compressed, s.tensors_recomputed, s.fallbacks) == (2 - recomputed, recomputed, {})
+        assert s.stored_bytes == nbytes
+    assert alive() == 0
+
+
+def test_a_product_whose_factor_changed_in_place_is_not_recomputed_from_it():
+    """``up(x)`` changed in place after the product: the product's first unpack (the second
+    Linear's, whose weight gradient it gives) raises autograd's error, rather than recompute
+    the product from the new values (without BitSparse, the product's own node raises)."""
+    model = ReluThen("reglu")
+    x = torch.randn(4, 16, 32)
+    with bitsparse.compressing(**OPTIONS):
+        up = model.up(x)
+        y = model.out(F.relu(model.fc(x)) * up)
+        up.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    assert model.out.weight.grad is None and bitsparse.stats().tensors_recomputed == 1
+    del y
     assert alive() == 0
 
 
