@@ -556,7 +556,7 @@ class Session:
                 geometry, source = (site.shape, site.stride, site.dtype), ViewOf(packed, site.shape, site.stride, 0)
             elif packed.__class__ is ViewOf and packed.source.__class__ is StoredTensor:
                 geometry, source = (packed.size, packed.stride, packed.source.site.dtype), packed
-            else:  # saved without these hooks
+            else:  # recomputed itself, or saved without these hooks
                 return None
             if geometry != like:
                 return None

@@ -47,8 +47,9 @@ class Options:
             that store more tensors than the last.
         recompute_squares: restore ``relu(x) ** 2`` from the stored ``relu(x)``, with the op
             the forward used, rather than storing it too; likewise a product whose node saved
-            both factors, one of them stored (a ReGLU's ``relu(g) * u``), with ``torch.mul``. In compiled graphs the
-            partitioner is steered to recompute such squares, whatever this says.
+            both factors, one of them stored (a ReGLU's ``relu(g) * u``), with ``torch.mul``.
+            In compiled graphs the partitioner is steered to recompute such squares, whatever
+            this says.
         host_spill: on CUDA, continue the arena's value region in pinned host memory (up to
             a quarter of the host's available memory, divided among its GPUs), sized from
             the second step on for the most the last step's tensors could take beyond the

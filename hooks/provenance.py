@@ -11,9 +11,9 @@ is one; a product with a ReLU-family factor is ReLU-family where every other fac
 nonnegative (a dropout mask, a positive scale), and worth trying where a factor's sign is not
 known (a ReGLU's ``relu(g(x)) * u(x)``: zero where the ReLU is, but -0.0, to the format a value
 like any other, where ``u(x)`` is negative); dropout keeps what its input is; and views and
-casts are looked through. Reading that costs a few attribute lookups per
-saved tensor and nothing per op (a ``TorchFunctionMode`` watching every op made the GPT step
-of docs/benchmarks.md 15% slower with nothing stored).
+casts are looked through. Reading that costs a few attribute lookups per saved tensor and
+nothing per op (a ``TorchFunctionMode`` watching every op made the GPT step of
+docs/benchmarks.md 15% slower with nothing stored).
 
 Autograd hides two cases that an FX graph shows: an in-place op on a view (``fc(x).relu_()``
 where ``fc`` returns a view of its 2-D product) appears as ``AsStridedBackward0`` ->
@@ -132,7 +132,7 @@ def _classify(node, graph, depth: int = MAX_VIEW_DEPTH) -> Provenance | None:
     """The provenance of the values ``node`` outputs, looking back through views and squares
     (the square of a ReLU-family tensor is one too) and into the factors of products, at most
     ``depth`` nodes deep along each path."""
-    for depth in range(depth, 0, -1):
+    for remaining in range(depth, 0, -1):
         if node is None:
             return None
         kind = graph.kind(node)
@@ -143,7 +143,7 @@ def _classify(node, graph, depth: int = MAX_VIEW_DEPTH) -> Provenance | None:
         if kind == HIDDEN:
             return Provenance.HIDDEN
         if kind == PRODUCT:
-            return _product(node, graph, depth - 1)
+            return _product(node, graph, remaining - 1)
         node = graph.input(node)
     return None
 
