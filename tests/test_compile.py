@@ -112,11 +112,13 @@ def test_compiled_bounded_relus_are_compressed(activation):
     assert [s.tensors_compressed for s in stats] == [1, 1, 1]
 
 
-def test_compiled_dropout_of_a_relu_is_stored(monkeypatch):
+@pytest.mark.parametrize("fallback_random", [False, True], ids=["inductor_random", "native_dropout"])
+def test_compiled_dropout_of_a_relu_is_stored(monkeypatch, fallback_random):
     """Inductor compiles dropout as ``relu * mask * scale``, with a mask of its own random
-    numbers, and the graph saves that product for the next Linear: stored with the bytes the
-    format gives it, gradients bit-identical to the compiled model's without BitSparse from
-    the same seed, and the boolean masks kept as they are."""
+    numbers (or, with ``fallback_random``, as ATen's ``native_dropout``, whose outputs are its
+    values and its mask), and the graph saves the values for the next Linear: stored with
+    the bytes the format gives them, gradients bit-identical to the compiled model's without
+    BitSparse from the same seed, and the boolean masks kept as they are."""
     stored = []
     store = compiled_ops._stored
     monkeypatch.setattr(compiled_ops, "_stored", lambda x, *args: stored.append(x.clone()) or store(x, *args))
@@ -125,10 +127,12 @@ def test_compiled_dropout_of_a_relu_is_stored(monkeypatch):
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=counter)
     x = mlp_input()
-    expected = train_step(compiled, x, seeded(contextlib.nullcontext()))
+    with torch._inductor.config.patch(fallback_random=fallback_random):
+        expected = train_step(compiled, x, seeded(contextlib.nullcontext()))
     for _ in range(3):
         stored.clear()
-        assert_same_grads(train_step(compiled, x, seeded(bitsparse.compressing(**OPTIONS))), expected)
+        with torch._inductor.config.patch(fallback_random=fallback_random):
+            assert_same_grads(train_step(compiled, x, seeded(bitsparse.compressing(**OPTIONS))), expected)
         s = bitsparse.stats()
         (product,) = stored
         assert (s.tensors_compressed, s.fallbacks, s.dense_bytes) == (1, {}, 64 * 256 * 4)
