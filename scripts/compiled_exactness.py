@@ -6,9 +6,11 @@ three steps under ``bitsparse.compressing()``, all under deterministic kernels a
 from the same seed (dropout draws the same masks), and print the parameters whose gradients
 differ from the reference, with what BitSparse stored. Models: torchvision's ResNet-50 (bf16
 autocast, channels-last), a Hugging Face ``OPTForCausalLM`` with ReLU (bf16, eager attention,
-no dropout) and a ``T5ForConditionalGeneration`` (bf16, ReLU MLPs, dropout 0.1 after each
-ReLU and elsewhere, as T5's configurations have it). Needs torchvision and transformers.
-Usage: python scripts/compiled_exactness.py [--models resnet50 opt t5] [--opt-sizes HIDDEN FFN]
+no dropout), a ``T5ForConditionalGeneration`` (bf16, ReLU MLPs, dropout 0.1 after each ReLU
+and elsewhere, as T5's configurations have it) and a ``LlamaForCausalLM`` whose MLPs gate with
+a ReLU, ``down(relu(gate(x)) * up(x))``, as ProSparse's (bf16). Needs torchvision and
+transformers.
+Usage: python scripts/compiled_exactness.py [--models resnet50 opt t5 llama] [--opt-sizes HIDDEN FFN]
        [--mode default|max-autotune-no-cudagraphs] [--eager]
 """
 
@@ -77,7 +79,25 @@ def t5(device: str, args: argparse.Namespace):
     return model, lambda compiled: compiled(input_ids=inputs, labels=labels).loss
 
 
-MODELS = {"resnet50": resnet50, "opt": opt, "t5": t5}
+def llama(device: str, args: argparse.Namespace):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=8000,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        hidden_act="relu",
+        attn_implementation="eager",
+    )
+    model = LlamaForCausalLM(config).to(device, torch.bfloat16)
+    tokens = torch.randint(config.vocab_size, (2, 1024), device=device)
+    return model, lambda compiled: compiled(input_ids=tokens, labels=tokens).loss
+
+
+MODELS = {"resnet50": resnet50, "opt": opt, "t5": t5, "llama": llama}
 
 
 def gradients(model, loss, compiled, context) -> list:
@@ -125,7 +145,8 @@ def main() -> None:
                 f"without BitSparse, {len(unstable)} differ from run to run; "
                 f"with it, {len(differ - set(unstable))} others differ {sorted(differ - set(unstable))[:5]}; "
                 f"stored {stats.tensors_compressed} tensors, {stats.dense_bytes / 2**20:.0f} MiB in "
-                f"{stats.stored_bytes / 2**20:.0f} MiB, fallbacks {stats.fallbacks or 'none'}",
+                f"{stats.stored_bytes / 2**20:.0f} MiB, recomputed {stats.tensors_recomputed}, "
+                f"fallbacks {stats.fallbacks or 'none'}",
                 flush=True,
             )
 
