@@ -58,7 +58,7 @@ CASES = {
     "relu() ** 3": (lambda x: F.relu(x) ** 3, None),
     "relu() * relu()": (lambda x: _times_itself(F.relu(x)), RELU),
     "relu(x) * relu(y)": (lambda x: F.relu(x) * F.relu(x * 2), RELU),
-    # A product keeps a ReLU-family factor's zeros; autograd does not show the sign of a
+    # A product is zero where a ReLU-family factor is; autograd does not show the sign of a
     # factor without gradient (a scalar, a mask, dropout's noise on the CPU).
     "relu() * x": (lambda x: F.relu(x) * x, HIDDEN),
     "x * relu()": (lambda x: x * F.relu(x), HIDDEN),
@@ -208,8 +208,8 @@ def test_an_overflow_does_not_teach_that_a_site_does_not_pay():
 
 
 class ReluThen(nn.Module):
-    """``out(<after>(fc(x)))`` where ``after`` keeps a ReLU's zeros: dropout, as on the CPU
-    (a product with noise) and as on CUDA (``native_dropout``), or a ReGLU's gate."""
+    """``out(<after>(relu(fc(x))))`` where ``after`` is zero where the ReLU is: dropout, as on
+    the CPU (a product with noise) and as on CUDA (``native_dropout``), or a ReGLU's gate."""
 
     def __init__(self, after: str):
         super().__init__()
