@@ -512,12 +512,10 @@ class Session:
         if squared is None:
             return self._recompute_product(result)
         source, square = squared
-        if source.__class__ is StoredTensor:
-            stored, shape = source, source.site.shape
-        elif source.__class__ is ViewOf and source.source.__class__ is StoredTensor:
-            stored, shape = source.source, source.size
-        else:  # kept as it is, or saved without these hooks
+        view = _stored_view(source)
+        if view is None:  # kept as it is, or saved without these hooks
             return None
+        stored, shape = view.source, view.size
         # The square of a contiguous tensor is a new contiguous tensor of its shape and dtype
         # (under autocast, pow may return float32 of a bfloat16 input: stored instead).
         dtype = stored.site.dtype
@@ -531,8 +529,6 @@ class Session:
         ):
             recomputed = SquareOf(stored, square, result)  # decoded with its source, in one pass
         else:
-            # Through a view, which decodes the stored tensor once per backward for all its slots.
-            view = source if source is not stored else ViewOf(stored, shape, stored.site.stride, 0)
             recomputed = Recomputed((view,), square, result)
         self._stored.add(span_of(result), weakref.ref(recomputed), weakref.ref(result))
         return recomputed
@@ -551,13 +547,11 @@ class Session:
             if packed.__class__ is tuple:  # kept as it is, with its version
                 kept = packed[0]
                 geometry, source = (kept.shape, kept.stride(), kept.dtype), packed
-            elif packed.__class__ is StoredTensor:
-                site = packed.site
-                geometry, source = (site.shape, site.stride, site.dtype), ViewOf(packed, site.shape, site.stride, 0)
-            elif packed.__class__ is ViewOf and packed.source.__class__ is StoredTensor:
-                geometry, source = (packed.size, packed.stride, packed.source.site.dtype), packed
-            else:  # recomputed itself, or saved without these hooks
-                return None
+            else:
+                source = _stored_view(packed)
+                if source is None:  # recomputed itself, or saved without these hooks
+                    return None
+                geometry = (source.size, source.stride, source.source.site.dtype)
             if geometry != like:
                 return None
             sources.append(source)
@@ -724,6 +718,18 @@ class Session:
             self._collector = StepCollector(1)
             self._backward_seen = self._stale_arenas = self._warned_stale = False
             self._double_backward_task = None
+
+
+def _stored_view(packed) -> ViewOf | None:
+    """``packed``, what a node saved of a tensor it computes from, as a view of a stored
+    tensor to recompute from (through a view, the stored tensor decodes once per backward for
+    all its slots); None if it is no handle of a stored tensor."""
+    if packed.__class__ is StoredTensor:
+        site = packed.site
+        return ViewOf(packed, site.shape, site.stride, 0)
+    if packed.__class__ is ViewOf and packed.source.__class__ is StoredTensor:
+        return packed
+    return None
 
 
 def _same_geometry(handle: Handle, t: torch.Tensor) -> bool:
