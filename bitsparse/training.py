@@ -77,8 +77,9 @@ class compressing(torch.autograd.graph.saved_tensors_hooks):
         window: most compressed tensors held dense until the host sees them fit (those
             the arena is not sure of room for); None: as many as the step saves room for.
         recompute_squares: restore the square of a stored ReLU output from it, and a product
-            of it with a tensor that autograd keeps anyway (a ReGLU's) from both (in compiled
-            graphs the partitioner is steered to recompute squares, whatever this says).
+            of either with a tensor that autograd keeps anyway (a ReGLU's, a ReLU²-GLU's)
+            from both (in compiled graphs the partitioner is steered to recompute squares,
+            whatever this says).
         host_spill: on CUDA, continue the arena in pinned host memory, so that no tensor
             waits for the GPU to confirm it fits.
 

@@ -283,19 +283,29 @@ class StoredTensor(Handle):
         return squared
 
 
-class SquareOf(Handle):
-    """The square of the whole tensor a ``StoredTensor`` restores (``relu(x) ** 2`` saved
-    for backward), decoded in the same pass as the tensor (see ``StoredTensor.squared``).
+class Derived(Handle):
+    """Base of the handles that compute their tensor at unpack from other handles' tensors.
 
-    ``size``, ``stride`` and ``offset`` place the square's saved view in the new tensor.
+    ``like`` is the saved view of the tensor computed: ``size``, ``stride`` and ``offset``
+    place it in the new tensor, whose dtype is ``dtype``.
     """
 
-    __slots__ = ("offset", "size", "source", "square", "stride")
+    __slots__ = ("dtype", "offset", "size", "stride")
+
+    def __init__(self, like: torch.Tensor):
+        super().__init__()
+        self.size, self.stride, self.offset, self.dtype = like.shape, like.stride(), like.storage_offset(), like.dtype
+
+
+class SquareOf(Derived):
+    """The square of the whole tensor a ``StoredTensor`` restores (``relu(x) ** 2`` saved
+    for backward), decoded in the same pass as the tensor (see ``StoredTensor.squared``)."""
+
+    __slots__ = ("source", "square")
 
     def __init__(self, source: StoredTensor, square: Callable[[torch.Tensor], torch.Tensor], like: torch.Tensor):
-        super().__init__()
+        super().__init__(like)
         self.source, self.square = source, square
-        self.size, self.stride, self.offset = like.shape, like.stride(), like.storage_offset()
 
     def _restore(self) -> torch.Tensor:
         squared = self.source.squared(self.square)
@@ -321,22 +331,18 @@ class ViewOf(Handle):
         return self.source.tensor().as_strided(self.size, self.stride, self.offset)
 
 
-class Recomputed(Handle):
+class Recomputed(Derived):
     """A tensor recomputed at unpack with the op that computed it in the forward, so with the
-    same bits, from its operands: other handles' tensors (a ReLU output, for its square), or
-    tensors kept as they are, with the versions they were saved at (a ReGLU's ``u`` in
-    ``relu(g) * u``).
+    same bits, from its operands: other handles' tensors (a ReLU output, for its square; a
+    square, for a ReLU²-GLU's product), or tensors kept as they are, with the versions they
+    were saved at (a ReGLU's ``u`` in ``relu(g) * u``)."""
 
-    ``like`` is the saved view of the op's result: its geometry in that new tensor.
-    """
-
-    __slots__ = ("sources", "op", "size", "stride", "offset")
+    __slots__ = ("op", "sources")
 
     def __init__(self, sources: tuple, op: Callable[..., torch.Tensor], like: torch.Tensor):
-        super().__init__()
+        super().__init__(like)
         self.sources = sources
         self.op = op
-        self.size, self.stride, self.offset = like.shape, like.stride(), like.storage_offset()
 
     def _restore(self) -> torch.Tensor:
         operands = []

@@ -23,7 +23,7 @@ from bitsparse.allocator import Arena, Lease
 from bitsparse.codecs import get_codec
 from bitsparse.format import TileGeometry
 from bitsparse.hooks.exactness import ExactnessChecks
-from bitsparse.hooks.handles import Handle, Recomputed, Site, SquareOf, StoredTensor, ViewOf, check_version
+from bitsparse.hooks.handles import Derived, Handle, Recomputed, Site, SquareOf, StoredTensor, ViewOf, check_version
 from bitsparse.hooks.options import Options
 from bitsparse.hooks.provenance import (
     RELU_NODES,
@@ -535,9 +535,10 @@ class Session:
 
     def _recompute_product(self, result: torch.Tensor) -> Handle | None:
         """A handle that restores ``result``, a product of two tensors of its geometry and
-        dtype (a ReGLU's ``relu(g) * u``), one of them stored, with ``torch.mul`` from what
-        the product's node saved of them, as ``_recompute`` restores a square; None where the
-        node did not save both (a factor without gradient) or they are not such tensors."""
+        dtype (a ReGLU's ``relu(g) * u``), one of them stored or recomputed itself (a
+        ReLU²-GLU's ``relu(g) ** 2``), with ``torch.mul`` from what the product's node saved
+        of them, as ``_recompute`` restores a square; None where the node did not save both
+        (a factor without gradient) or they are not such tensors."""
         operands = product_operands(result.grad_fn)
         if operands is None or result.storage_offset() != 0:
             return None
@@ -547,9 +548,13 @@ class Session:
             if packed.__class__ is tuple:  # kept as it is, with its version
                 kept = packed[0]
                 geometry, source = (kept.shape, kept.stride(), kept.dtype), packed
+            elif isinstance(packed, Derived):  # recomputed itself (a ReLU²-GLU's square)
+                geometry, source = (packed.size, packed.stride, packed.dtype), packed
+                if packed.offset != 0:
+                    return None
             else:
                 source = _stored_view(packed)
-                if source is None:  # recomputed itself, or saved without these hooks
+                if source is None:  # saved without these hooks
                     return None
                 geometry = (source.size, source.stride, source.source.site.dtype)
             if geometry != like:

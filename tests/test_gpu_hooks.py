@@ -221,7 +221,8 @@ def test_cpu_suite_models_bf16_gradients_are_bit_identical(name):
 
 class ReluProduct(torch.nn.Module):
     """``out(<after>(relu(fc(x))))``, the ReLU's output 90% zeros: dropout (T5's and VGG's
-    MLPs; ``native_dropout`` on CUDA) or a ReGLU's gate ``* up(x)`` (ProSparse's ReLU LLaMA)."""
+    MLPs; ``native_dropout`` on CUDA), a ReGLU's gate ``* up(x)`` (ProSparse's ReLU LLaMA), or
+    a ReLU²-GLU's (the ReLU's square ``* up(x)``)."""
 
     def __init__(self, after: str, dim=512, hidden=2048):
         super().__init__()
@@ -229,10 +230,13 @@ class ReluProduct(torch.nn.Module):
         with torch.no_grad():
             self.fc.bias.fill_(-0.74)  # 1.28 standard deviations of fc(x) for x ~ N(0, 1)
         self.after = torch.nn.Dropout(0.1) if after == "dropout" else torch.nn.Linear(dim, hidden)
+        self.squared = after == "relu2_glu"
 
     def forward(self, x):
         h = torch.relu(self.fc(x))
-        return self.out(self.after(h) if isinstance(self.after, torch.nn.Dropout) else h * self.after(x))
+        if isinstance(self.after, torch.nn.Dropout):
+            return self.out(self.after(h))
+        return self.out((h.square() if self.squared else h) * self.after(x))
 
 
 def relu_product(after: str):
@@ -248,10 +252,11 @@ def relu_product(after: str):
     return model, loss_fn
 
 
-@pytest.mark.parametrize("after", ["dropout", "reglu"])
+@pytest.mark.parametrize("after", ["dropout", "reglu", "relu2_glu"])
 def test_products_that_keep_a_relus_zeros_are_stored_or_recomputed_bit_exactly(after):
     """Dropout's output is stored beside the ReLU's; a ReGLU's product is recomputed from the
-    ReLU's output and ``up(x)``, which its node saved."""
+    ReLU's output and ``up(x)``, which its node saved; a ReLU²-GLU's from the square, itself
+    recomputed from the ReLU's output."""
     bitsparse.reset()
     model, loss_fn = relu_product(after)
     reference = plain_grads(model, loss_fn)
@@ -260,8 +265,9 @@ def test_products_that_keep_a_relus_zeros_are_stored_or_recomputed_bit_exactly(a
         got = grads_of(model, loss_fn, min_numel=1024)
         assert all(torch.equal(a, b) for a, b in zip(reference, got))
     stats = bitsparse.stats()
-    recomputed = int(after == "reglu")
-    assert (stats.tensors_compressed, stats.tensors_recomputed, stats.fallbacks) == (2 - recomputed, recomputed, {})
+    recomputed = {"dropout": 0, "reglu": 1, "relu2_glu": 2}[after]
+    compressed = 1 if recomputed else 2
+    assert (stats.tensors_compressed, stats.tensors_recomputed, stats.fallbacks) == (compressed, recomputed, {})
 
 
 # --------------------------------------------------------------------------------------------

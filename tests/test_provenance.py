@@ -209,7 +209,8 @@ def test_an_overflow_does_not_teach_that_a_site_does_not_pay():
 
 class ReluThen(nn.Module):
     """``out(<after>(relu(fc(x))))`` where ``after`` is zero where the ReLU is: dropout, as on
-    the CPU (a product with noise) and as on CUDA (``native_dropout``), or a ReGLU's gate."""
+    the CPU (a product with noise) and as on CUDA (``native_dropout``), or a ReGLU's gate, or
+    a ReLU²-GLU's (the ReLU's square times ``up(x)``)."""
 
     def __init__(self, after: str):
         super().__init__()
@@ -225,16 +226,20 @@ class ReluThen(nn.Module):
             return self.out(F.dropout(h, 0.25))
         if self.after == "native_dropout":
             return self.out(torch.native_dropout(h, 0.25, True)[0])
+        if self.after == "relu2_glu":
+            h = h**2
         return self.out(h * self.up(x))  # reglu
 
 
 @pytest.mark.parametrize(
-    "after, recompute", [("dropout", True), ("native_dropout", True), ("reglu", True), ("reglu", False)]
+    "after, recompute",
+    [("dropout", True), ("native_dropout", True), ("reglu", True), ("reglu", False), ("relu2_glu", True)],
 )
 def test_products_that_keep_a_relus_zeros_are_stored_or_recomputed(after, recompute):
     """What the second Linear saves is dropout's output (T5's and VGG's MLPs), stored beside
     the ReLU output, or a ReGLU's product (ProSparse's ReLU LLaMA), recomputed from the ReLU
-    output and ``up(x)``, which its node saved (stored, with ``recompute_squares=False``):
+    output and ``up(x)``, which its node saved (stored, with ``recompute_squares=False``), or
+    a ReLU²-GLU's, recomputed from the square, itself recomputed from the ReLU output:
     gradients bit for bit either way."""
     model = ReluThen(after)
     x = torch.randn(4, 16, 32, requires_grad=True)
@@ -246,15 +251,16 @@ def test_products_that_keep_a_relus_zeros_are_stored_or_recomputed(after, recomp
     elif after == "native_dropout":
         product = torch.native_dropout(relu, 0.25, True)[0]
     else:
-        product = relu * model.up(x)
-    recomputed = after == "reglu" and recompute
+        product = (relu if after == "reglu" else relu**2) * model.up(x)
+    recomputed = {"reglu": 1, "relu2_glu": 2}.get(after, 0) if recompute else 0
+    compressed = 1 if recomputed else 2
     nbytes = expected_nbytes(relu)[0] + (0 if recomputed else expected_nbytes(product)[0])
     assert (product == 0).float().mean() >= (relu == 0).float().mean() > 0.7  # as sparse as the ReLU's
     options = {**OPTIONS, "recompute_squares": recompute}
     for _ in range(3):
         assert_same_grads(train_step(model, x, seeded(bitsparse.compressing(**options))), expected)
         s = bitsparse.stats()
-        assert (s.tensors_compressed, s.tensors_recomputed, s.fallbacks) == (2 - recomputed, recomputed, {})
+        assert (s.tensors_compressed, s.tensors_recomputed, s.fallbacks) == (compressed, recomputed, {})
         assert s.stored_bytes == nbytes
     assert alive() == 0
 
