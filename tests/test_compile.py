@@ -37,6 +37,7 @@ from test_hooks import (  # noqa: F401 (clean_session: autouse fixture, reportin
     train_step,
     transformer,
 )
+from test_provenance import ReluThen
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -138,6 +139,25 @@ def test_compiled_dropout_of_a_relu_is_stored(monkeypatch, fallback_random):
         assert (s.tensors_compressed, s.fallbacks, s.dense_bytes) == (1, {}, 64 * 256 * 4)
         assert s.stored_bytes == expected_nbytes(product)[0] and (product == 0).float().mean() > 0.6
     assert counter.frame_count == 2 and alive() == 0  # once without the hooks, once with
+
+
+@pytest.mark.parametrize("after", ["reglu", "relu2_glu"])
+def test_compiled_gated_relus_store_the_relu_output_and_compute_the_product_again(monkeypatch, after):
+    """A ReGLU's graph, ``out(relu(fc(x)) * up(x))``, saves the ReLU output, stored, and
+    ``up(x)``, and computes the product again in the backward; a ReLU²-GLU's its square too.
+    Gradients are bit-identical to the compiled model's without BitSparse, and what is stored
+    is one ReLU output (given to the store as the ReLU's input where the op also squares it),
+    with the bytes the format gives it."""
+    stored = []
+    store = compiled_ops._stored
+    monkeypatch.setattr(compiled_ops, "_stored", lambda x, *args: stored.append(x.clone()) or store(x, *args))
+    model = ReluThen(after)
+    stats, frames, _ = compiled_steps(model, torch.randn(4, 16, 32, requires_grad=True))
+    relu = torch.relu(stored[-1])
+    assert frames == 1 and len(stored) == 3 and (relu == 0).float().mean() > 0.7
+    s = stats[-1]
+    assert (s.tensors_compressed, s.fallbacks, s.dense_bytes) == (1, {}, relu.numel() * 4)
+    assert s.stored_bytes == expected_nbytes(relu)[0]
 
 
 @pytest.mark.usefixtures("fused_backwards_on_the_cpu")

@@ -56,10 +56,11 @@ def test_compiled_gpt_bf16_gradients_are_bit_identical(scope, sign_pack):
     assert stats.tensors_compressed == 3 and stats.fallbacks == {}, str(stats)
 
 
-@pytest.mark.parametrize("after", ["dropout", "reglu"])
+@pytest.mark.parametrize("after", ["dropout", "reglu", "relu2_glu"])
 def test_compiled_products_that_keep_a_relus_zeros_stay_exact(after):
     """Compiled, dropout's output (``relu * mask * scale``) is what the graph saves, and is
-    stored; a ReGLU's graph saves the ReLU output, stored, and computes the product again."""
+    stored; a ReGLU's (and a ReLU²-GLU's) graph saves the ReLU output, stored, and computes
+    the product (and the square) again."""
     model, loss_fn = relu_product(after)
     model.compile()
     reference = grads(model, loss_fn, torch.enable_grad())
