@@ -154,7 +154,7 @@ def _product(node, graph, depth: int) -> Provenance | None:
     ReLU-family factor is, but of either sign)."""
     family, proven = False, True
     for factor, nonnegative in graph.factors(node):
-        provenance = _classify(factor, graph, depth)
+        provenance = None if factor is None else _classify(factor, graph, depth)
         if provenance is not None:
             family = True
             proven = proven and provenance is Provenance.RELU
@@ -244,8 +244,9 @@ class _Autograd:
     def factors(node):
         """A product's factors, and whether each is known to be nonnegative: an edge's node
         (None for a factor without gradient, a constant or mask, whose values the node does
-        not show)."""
-        return [(factor, False) for factor, _ in node.next_functions]
+        not show, and for one made by an op the rule never selects, which a pack then need
+        not look into: products are common, an RMSNorm's output one)."""
+        return [(None if factor.__class__ in UNRELATED_NODES else factor, False) for factor, _ in node.next_functions]
 
 
 UNRELATED_NODES: set[type] = set()
