@@ -246,7 +246,12 @@ class _Autograd:
         (None for a factor without gradient, a constant or mask, whose values the node does
         not show, and for one made by an op the rule never selects, which a pack then need
         not look into: products are common, an RMSNorm's output one)."""
-        return [(None if factor.__class__ in UNRELATED_NODES else factor, False) for factor, _ in node.next_functions]
+        (first, _), (second, _) = node.next_functions  # a product of two tensors
+        unrelated = UNRELATED_NODES
+        return (
+            (None if first.__class__ in unrelated else first, False),
+            (None if second.__class__ in unrelated else second, False),
+        )
 
 
 UNRELATED_NODES: set[type] = set()
