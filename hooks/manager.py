@@ -550,8 +550,6 @@ class Session:
                 geometry, source = (kept.shape, kept.stride(), kept.dtype), packed
             elif isinstance(packed, Derived):  # recomputed itself (a ReLU²-GLU's square)
                 geometry, source = (packed.size, packed.stride, packed.dtype), packed
-                if packed.offset != 0:
-                    return None
             else:
                 source = _stored_view(packed)
                 if source is None:  # saved without these hooks
