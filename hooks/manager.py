@@ -42,6 +42,8 @@ MAX_SITES = 4096
 PROFITABLE_RATIO = 1.25
 """A save site whose tensors shrink less than this (dense / stored) is kept dense: the
 arena's headroom (15% of what it stores) would eat most of the saving."""
+IDLE_STEPS_BEFORE_WARNING = 3
+"""Steps without a tensor to compress (and none before) after which the session says so, once."""
 
 
 class _Watch(weakref.ref):
@@ -79,6 +81,10 @@ class Session:
         (tensors of earlier steps are alive), so tensors may fall back that would otherwise
         fit: a graph held longer than one more step, which the arena's plan does not follow."""
         self._warned_stale = False
+        self._idle_steps: int | None = 0
+        """Steps whose saved tensors had none to compress, while no step has had one (after
+        one has, None: ``_note_idle``)."""
+        self._warned_idle = False
         self._stored = SpanIndex()
         """The step's stored tensors by span, to store a storage saved again only once."""
         # id(saved tensor) -> slot ref: the tensors packed this step (the slot watches the
@@ -623,6 +629,7 @@ class Session:
     def _begin_step(self) -> None:
         """Learn from the finished step which sites do not pay and what the others need, and
         empty the arenas for the new step where nothing they hold is alive."""
+        self._note_idle(self._collector)
         self._recount()
         for arena in self._arenas.values():
             arena.drain()  # the last step's reports: its encoders ran before its backward
@@ -665,6 +672,29 @@ class Session:
         self._backward_seen = False
         self._double_backward_task = None
         self._forget_saved()
+
+    def _note_idle(self, collector: StepCollector) -> None:
+        """Warn, once, after ``IDLE_STEPS_BEFORE_WARNING`` steps whose saved tensors had none
+        to compress, while no step has had one (a model without ReLU-family activations):
+        there the hooks only cost host time, for every saved tensor. A model with tensors to
+        compress, which its sites may have learned not to pay, is not warned about."""
+        if self._idle_steps is None or collector.found_candidate():
+            self._idle_steps = None
+            return
+        if collector.screened_out():
+            self._idle_steps += 1
+        if self._idle_steps >= IDLE_STEPS_BEFORE_WARNING and not self._warned_idle:
+            self._warned_idle = True
+            warnings.warn(
+                f"BitSparse compressed nothing in the last {self._idle_steps} steps: none of the tensors they "
+                "saved for backward (of min_numel elements or more) is ReLU-family (the output of relu, relu6, "
+                "or hardtanh, clamp or threshold with a nonnegative floor, a square, dropout or product of one, "
+                "or a tensor passed to bitsparse.mark), and checking each saved tensor only costs host time. "
+                "Leave compressing() and enable() out for this model, mark the tensors to compress with "
+                "bitsparse.mark(), or pass select='all' to try every floating tensor.",
+                RuntimeWarning,
+                stacklevel=5,
+            )
 
     def _forget_buffers(self) -> None:
         """Let the sites' prepared codecs go: an arena may change its buffer now."""
@@ -719,7 +749,8 @@ class Session:
             self._forget_saved()
             self._step = 1
             self._collector = StepCollector(1)
-            self._backward_seen = self._stale_arenas = self._warned_stale = False
+            self._backward_seen = self._stale_arenas = self._warned_stale = self._warned_idle = False
+            self._idle_steps = 0
             self._double_backward_task = None
 
 

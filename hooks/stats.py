@@ -105,6 +105,10 @@ class Stored:
     unfit: int = 0
 
 
+_SCREENED = ("small", "parameter", "not_relu_family")
+"""The reasons of the rule's screen, which no save site decides."""
+
+
 class StepCollector:
     """Counters of one step, filled in by packs; what its appends took is read from the
     arenas at its end: per save site (``demand``; a ``Site``, keyed by the object, whose hash
@@ -138,6 +142,15 @@ class StepCollector:
         """``(arena, number, site, stored)`` per append of the step (``Arena.submit``'s number;
         ``stored``: compressed, not only measured), read by ``demand`` and ``stored``: what
         the step compressed is counted from them once, at its end, not at each store."""
+
+    def found_candidate(self) -> bool:
+        """Whether the rule's screen passed a tensor the step saved: stored, recomputed,
+        measured, stored by a compiled graph, or kept by a decision of its save site."""
+        return bool(self.stats.tensors_seen) or any(n and r not in _SCREENED for r, n in self.skipped.items())
+
+    def screened_out(self) -> int:
+        """Saved tensors the screen judged not ReLU-family (kept as they are)."""
+        return self.kept_unrelated + self.skipped.get("not_relu_family", 0)
 
     def nonzeros_counter(self, arena) -> torch.Tensor:
         """The device word the encoders of this step add their stored elements to, for the

@@ -2083,6 +2083,32 @@ def test_steps_that_store_nothing_each_have_their_own_stats_under_enable():
     assert steps == [(steps[0][0] + i, steps[0][1]) for i in range(3)] and steps[0][1] > 0
 
 
+@pytest.mark.parametrize("activation", ["silu", "relu", "relu_without_zeros"])
+def test_steps_with_nothing_to_compress_are_warned_about_once(activation):
+    """A model without ReLU-family activations: once its saved tensors had none to compress
+    for ``IDLE_STEPS_BEFORE_WARNING`` steps, the user is told, once, that the hooks only cost
+    host time there. Not a model with ReLU outputs, even where none pays (a save site learned
+    not to shrink is a decision, not a lack of candidates)."""
+    torch.manual_seed(0)
+    fc = nn.Linear(32, 256)
+    if activation == "relu_without_zeros":
+        with torch.no_grad():
+            fc.bias.fill_(100.0)
+    model = nn.Sequential(fc, nn.SiLU() if activation == "silu" else nn.ReLU(), nn.Linear(256, 10))
+    x = mlp_input()
+    expected = train_step(model, x, contextlib.nullcontext())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, manager.IDLE_STEPS_BEFORE_WARNING + 4):
+            assert_same_grads(train_step(model, x, bitsparse.compressing(**OPTIONS)), expected)
+            idle = [w for w in caught if "compressed nothing" in str(w.message)]
+            # A step is noted as the next one begins.
+            assert len(idle) == (activation == "silu" and step > manager.IDLE_STEPS_BEFORE_WARNING)
+    assert all(w.category is RuntimeWarning for w in idle)
+    if activation == "relu_without_zeros":
+        assert bitsparse.stats().tensors_skipped.get("unprofitable_site", 0) > 0
+
+
 def test_a_graph_kept_without_backward_is_warned_about_once():
     """An evaluation forward with gradients enabled, kept in a variable, holds its compressed
     tensors: later steps cannot reuse the arena and fall back (exactly); the user is told."""
