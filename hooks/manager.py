@@ -629,7 +629,7 @@ class Session:
     def _begin_step(self) -> None:
         """Learn from the finished step which sites do not pay and what the others need, and
         empty the arenas for the new step where nothing they hold is alive."""
-        self._note_idle(self._collector)
+        finished = self._collector
         self._recount()
         for arena in self._arenas.values():
             arena.drain()  # the last step's reports: its encoders ran before its backward
@@ -672,6 +672,7 @@ class Session:
         self._backward_seen = False
         self._double_backward_task = None
         self._forget_saved()
+        self._note_idle(finished)  # last: a warning made an error leaves the step begun
 
     def _note_idle(self, collector: StepCollector) -> None:
         """Warn, once, after ``IDLE_STEPS_BEFORE_WARNING`` steps whose saved tensors had none

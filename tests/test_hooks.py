@@ -2109,6 +2109,23 @@ def test_steps_with_nothing_to_compress_are_warned_about_once(activation):
         assert bitsparse.stats().tensors_skipped.get("unprofitable_site", 0) > 0
 
 
+def test_the_warning_about_nothing_to_compress_raised_as_an_error_leaves_steps_exact():
+    """Run with warnings as errors, the warning raises out of the forward that begins the next
+    step; that step has begun, and the steps after it give the same gradients."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(32, 256), nn.SiLU(), nn.Linear(256, 10)), mlp_input()
+    expected = train_step(model, x, contextlib.nullcontext())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for _ in range(manager.IDLE_STEPS_BEFORE_WARNING):
+            assert_same_grads(train_step(model, x, bitsparse.compressing(**OPTIONS)), expected)
+        with pytest.raises(RuntimeWarning, match="compressed nothing"):
+            train_step(model, x, bitsparse.compressing(**OPTIONS))
+        for _ in range(2):
+            assert_same_grads(train_step(model, x, bitsparse.compressing(**OPTIONS)), expected)
+    assert bitsparse.stats().tensors_skipped.get("not_relu_family", 0) > 0
+
+
 def test_a_graph_kept_without_backward_is_warned_about_once():
     """An evaluation forward with gradients enabled, kept in a variable, holds its compressed
     tensors: later steps cannot reuse the arena and fall back (exactly); the user is told."""
