@@ -284,7 +284,8 @@ class StoredTensor(Handle):
 
 
 class Derived(Handle):
-    """Base of the handles that compute their tensor at unpack from other handles' tensors.
+    """Base of the handles that compute their tensor at unpack from other tensors (restored
+    by other handles, or kept as they are).
 
     ``like`` is the saved view of the tensor computed: ``size``, ``stride`` and ``offset``
     place it in the new tensor, whose dtype is ``dtype``.
