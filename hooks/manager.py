@@ -82,9 +82,8 @@ class Session:
         fit: a graph held longer than one more step, which the arena's plan does not follow."""
         self._warned_stale = False
         self._idle_steps: int | None = 0
-        """Steps whose saved tensors had none to compress, while no step has had one (after
-        one has, None: ``_note_idle``)."""
-        self._warned_idle = False
+        """Steps whose saved tensors had none to compress, while no step has had one and the
+        session has not said so (then None: ``_note_idle``)."""
         self._stored = SpanIndex()
         """The step's stored tensors by span, to store a storage saved again only once."""
         # id(saved tensor) -> slot ref: the tensors packed this step (the slot watches the
@@ -682,12 +681,12 @@ class Session:
         if self._idle_steps is None or collector.found_candidate():
             self._idle_steps = None
             return
-        if collector.screened_out():
-            self._idle_steps += 1
-        if self._idle_steps >= IDLE_STEPS_BEFORE_WARNING and not self._warned_idle:
-            self._warned_idle = True
+        steps = self._idle_steps + (collector.screened_out() > 0)
+        # None before warning: a warning made an error is not raised again at every step.
+        self._idle_steps = steps if steps < IDLE_STEPS_BEFORE_WARNING else None
+        if steps >= IDLE_STEPS_BEFORE_WARNING:
             warnings.warn(
-                f"BitSparse compressed nothing in the last {self._idle_steps} steps: none of the tensors they "
+                f"BitSparse compressed nothing in the last {steps} steps: none of the tensors they "
                 "saved for backward (of min_numel elements or more) is ReLU-family (the output of relu, relu6, "
                 "or hardtanh, clamp or threshold with a nonnegative floor, a square, dropout or product of one, "
                 "or a tensor passed to bitsparse.mark), and checking each saved tensor only costs host time. "
@@ -750,7 +749,7 @@ class Session:
             self._forget_saved()
             self._step = 1
             self._collector = StepCollector(1)
-            self._backward_seen = self._stale_arenas = self._warned_stale = self._warned_idle = False
+            self._backward_seen = self._stale_arenas = self._warned_stale = False
             self._idle_steps = 0
             self._double_backward_task = None
 
