@@ -35,7 +35,8 @@ graph), two things steer the compiler:
   ReLU-family node that would be compressed ``MUST_SAVE`` and the squares of it
   ``PREFER_RECOMPUTE``, the tags selective activation checkpointing gives the partitioner: the
   ReLU output is saved, and compressed, and its square is recomputed from it; only where that
-  changes no value of the graph (``held_in_memory``, ``only_read_from_memory``), and not in
+  changes no value of the graph (``held_in_memory``, ``only_read_from_memory``, a ReLU input
+  read by nothing else, a ReLU output the backward reads: ``_read_by_backward``), and not in
   a region the user checkpoints.
 - The backward is compiled together with the forward (``force_non_lazy_backward_lowering``),
   while the passes are installed, rather than at its first run, outside ``compressing()``.
@@ -59,7 +60,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from bitsparse.compressed import MAX_NUMEL
 from bitsparse.format import SUPPORTED_DTYPES
 from bitsparse.hooks.compiled_ops import installed_hooks, register_lowerings
-from bitsparse.hooks.graph_passes import held_in_memory, only_read_from_memory, post_grad_passes
+from bitsparse.hooks.graph_passes import held_in_memory, is_view, only_read_from_memory, post_grad_passes
 from bitsparse.hooks.options import Options
 from bitsparse.hooks.provenance import RELU, SQUARE, Provenance, classify_fx_node, fx_kind
 
@@ -335,11 +336,18 @@ def steer(graph_module: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
         _steer_inductor(undo)
     if functorch_config.activation_memory_budget < 1:
         return graph_module
+    forward = _forward_nodes(graph_module.graph)
     for node in graph_module.graph.nodes:
         if "recompute" in node.meta:
             continue  # in a region the user checkpoints, whose plan stands
         kind = fx_kind(node)
-        if kind == RELU and selected(node, options, excluded) and held_in_memory(node.args[0]):
+        if (
+            kind == RELU
+            and selected(node, options, excluded)
+            and held_in_memory(node.args[0])
+            and len(node.args[0].users) == 1  # else the backward fuses its recomputation with them
+            and _read_by_backward(node, forward)
+        ):
             value = node.meta["val"]
             if _padded_by_inductor(graph_module.graph, value, value.stride()):
                 continue
@@ -347,6 +355,38 @@ def steer(graph_module: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
         elif kind == SQUARE and classify_fx_node(node) is Provenance.RELU and only_read_from_memory(node):
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
     return graph_module
+
+
+def _forward_nodes(joint: torch.fx.Graph) -> set:
+    """The nodes of a joint graph that the forward's outputs need: the ancestors of the
+    outputs that depend on no tangent (the gradient of an output). Every other node computes
+    the backward, or something only the backward needs (the partitioner places it there)."""
+    backward = set()
+    for node in joint.nodes:
+        if (node.op == "placeholder" and "tangents" in str(node.target)) or any(
+            arg in backward for arg in node.all_input_nodes
+        ):
+            backward.add(node)
+    pending = [node for node in joint.output_node().all_input_nodes if node not in backward]
+    forward = set()
+    while pending:
+        node = pending.pop()
+        if node not in forward:
+            forward.add(node)
+            pending.extend(node.all_input_nodes)
+    return forward
+
+
+def _read_by_backward(node: torch.fx.Node, forward: set) -> bool:
+    """Whether a node outside ``forward`` reads ``node``'s value itself, or a view of it:
+    only then does ``MUST_SAVE`` make the partitioner save it. Where the backward only needs
+    values computed from it, the tag bans computing it again, and the partitioner saves those
+    values instead, rounded to their dtype, where without BitSparse inductor may compute them
+    again in float32 within the kernel that uses them: the gradients would change."""
+    return any(
+        user.op != "output" and (user not in forward or (is_view(user) and _read_by_backward(user, forward)))
+        for user in node.users
+    )
 
 
 class _JointPass:

@@ -32,7 +32,11 @@ _RESHAPES = ("view", "reshape", "_unsafe_view")
 """Ops whose output, for a contiguous input, holds the input's elements in the same order."""
 
 _VIEWS = (*_RESHAPES, "permute", "t", "transpose")
-"""Ops whose output is a view of their input: what reads it reads the input's memory."""
+
+
+def is_view(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s output is a view of its input: what reads it reads the input's memory."""
+    return getattr(node.target, "_opname", None) in _VIEWS
 
 
 def only_read_from_memory(node: torch.fx.Node) -> bool:
@@ -54,7 +58,7 @@ def only_read_from_memory(node: torch.fx.Node) -> bool:
             continue
         if user.target is aten.addmm.default and user.args[0] is not node:
             continue
-        if getattr(user.target, "_opname", None) in _VIEWS and only_read_from_memory(user):
+        if is_view(user) and only_read_from_memory(user):
             continue
         return False
     return True
@@ -68,7 +72,7 @@ def held_in_memory(node) -> bool:
     another value than the graph's own kernel; and what inductor fuses with it changes with
     what is saved (``hooks.compiled.steer``)."""
     aten = torch.ops.aten
-    while getattr(node.target, "_opname", None) in _VIEWS and isinstance(node.args[0], torch.fx.Node):
+    while is_view(node) and isinstance(node.args[0], torch.fx.Node):
         node = node.args[0]
     return node.op == "placeholder" or node.target in (aten.mm.default, aten.addmm.default, aten.bmm.default)
 

@@ -1,0 +1,285 @@
+"""Random eager programs: gradients under ``compressing()`` bit-identical to autograd's own.
+
+Each program is a short random sequence of ops over a pool of tensors (the input, and what
+the ops before made), drawn from what the selection rule treats differently: the ReLU family
+and what hides it (in-place ops, on views too; casts; checkpointing), squares and products
+(recomputed at backward), views and slices of stored tensors (shared), and ops it never
+stores. The loss sums every tensor made, so backward unpacks everything autograd saved. Three
+steps under BitSparse follow one without it, so that the arena is measured, used, and reused.
+
+In-place ops modify fresh clones only: a saved tensor modified in place is the subject of
+``test_hooks.py``'s version tests (autograd raises; a compressed tensor restores the saved
+values), not of a comparison of gradients.
+
+On CUDA (``-m gpu``) the same programs run in float32 and bfloat16 through the Triton codec
+and the arena's streams, and the last step under ``torch.cuda.set_sync_debug_mode("error")``
+wherever the program's own ops run under it without BitSparse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_bitwise_equal
+from torch.utils.checkpoint import checkpoint
+
+import bitsparse
+from bitsparse.bench.training import deterministic_kernels
+
+ROWS, COLS = 48, 100
+"""4800 elements: a whole tile of the format's 4096 and a partial one."""
+PROGRAMS = 200
+OPTIONS = [{}, {"sign_pack": True}, {"recompute_squares": False}, {"select": "all"}]
+
+
+def _relu_half_in_place(t: torch.Tensor) -> torch.Tensor:
+    """A clone whose first half of columns went through ``relu_`` on a view (autograd records
+    the ReLU on the view's base as a copy, which hides it from the rule)."""
+    out = t.clone()
+    out[..., : t.shape[-1] // 2].relu_()
+    return out
+
+
+def _relu_without_grad(t: torch.Tensor) -> torch.Tensor:
+    """A product with a ReLU output computed under ``torch.no_grad()`` (saved without a node)."""
+    with torch.no_grad():
+        r = torch.relu(t)
+    return r * t
+
+
+UNARY = {
+    # The ReLU family, and the same hidden from the rule.
+    "relu": torch.relu,
+    "relu_": lambda t: t.clone().relu_(),
+    "relu_half_in_place": _relu_half_in_place,
+    "relu_then_slice": lambda t: t.clone().relu_()[:, 1:],
+    "relu6": F.relu6,
+    "hardtanh": lambda t: F.hardtanh(t, 0.0, 0.5),
+    "clamp": lambda t: t.clamp(min=0),
+    "clamp_min_": lambda t: t.clone().clamp_min_(0.0),
+    "threshold": lambda t: F.threshold(t, 0.0, 0.0),
+    "relu_of_bf16": lambda t: torch.relu(t.to(torch.bfloat16)),
+    "dropout": lambda t: F.dropout(t, 0.3, True),
+    "checkpointed_reglu": lambda t: checkpoint(lambda u: torch.relu(u) * u, t, use_reentrant=False),
+    "masked_relu": lambda t: torch.relu(t).masked_fill(t > 1.0, 0.0),
+    "where_relu": lambda t: torch.where(t > 0, t, torch.zeros_like(t)),
+    # Squares: of a stored tensor, recomputed.
+    "square": torch.square,
+    "pow": lambda t: t.pow(2),
+    "self_product": lambda t: t * t,
+    "square_of_bf16_relu": lambda t: torch.relu(t.to(torch.bfloat16)).square(),
+    "relu_square_row_sums": lambda t: torch.relu(t).square().sum(-1, keepdim=True) * t,
+    # Views, slices and copies of what may be stored.
+    "transpose": lambda t: t.t() if t.dim() == 2 else t,
+    "reshape": lambda t: t.reshape(-1, t.shape[-1] // 2) if t.shape[-1] % 2 == 0 else t.reshape(-1),
+    "every_other": lambda t: t[..., ::2],
+    "narrow": lambda t: t.narrow(0, 1, t.shape[0] - 1),
+    "permuted_3d": lambda t: t.view(t.shape[0], 2, -1).transpose(1, 2) if t.dim() == 2 and t.shape[1] % 2 == 0 else t,
+    "contiguous": lambda t: t.contiguous(),
+    "relu_rows": lambda t: torch.relu(t)[torch.arange(0, t.shape[0], 2, device=t.device)],
+    "relu_split": lambda t: torch.relu(t).split(t.shape[0] // 2)[1] * 1.0,
+    "relu_cat": lambda t: torch.cat([torch.relu(t), t]),
+    "relu_max_pool": lambda t: F.max_pool1d(torch.relu(t).unsqueeze(0), 2).squeeze(0) if t.dim() == 2 else t,
+    "relu_broadcast_product": lambda t: torch.relu(t) * t.sum(0, keepdim=True),
+    # Never stored.
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda t: torch.softmax(t, -1),
+    "layer_norm": lambda t: F.layer_norm(t, t.shape[-1:]),
+    "gelu": F.gelu,
+    "to_float32": lambda t: t.float(),
+    "shift": lambda t: t - 0.7,
+    "neg": torch.neg,
+    "relu_without_grad": _relu_without_grad,
+}
+
+
+BINARY = {
+    "mul": torch.mul,
+    "add": torch.add,
+    "reglu": lambda a, b: torch.relu(a) * b,
+    "reglu_reversed": lambda a, b: b * torch.relu(a),
+    "relu2_glu": lambda a, b: torch.relu(a) ** 2 * b,
+}
+
+
+def random_program(seed: int) -> tuple[list[tuple], dict]:
+    """Ops as (kind, op, operand choices in [0, 1)), the op a name of ``UNARY`` or ``BINARY``
+    or the index of a weight; and the options to run them with."""
+    rng = random.Random(seed)
+    program = []
+    for _ in range(rng.randint(3, 14)):
+        kind = rng.random()
+        if kind < 0.6:
+            program.append(("unary", rng.choice(sorted(UNARY)), rng.random()))
+        elif kind < 0.85:
+            program.append(("binary", rng.choice(sorted(BINARY)), rng.random(), rng.random()))
+        else:
+            program.append(("linear", rng.randrange(3), rng.random()))
+    return program, rng.choice(OPTIONS)
+
+
+def run(program, x: torch.Tensor, weights) -> torch.Tensor:
+    """The loss of ``program`` on ``x``: the sum of every tensor's mean square."""
+    pool = [x]
+    for kind, op, *choices in program:
+        if kind == "unary":
+            pool.append(UNARY[op](pool[int(choices[0] * len(pool))]))
+        elif kind == "binary":
+            a = pool[int(choices[0] * len(pool))]
+            alike = [t for t in pool if t.shape == a.shape and t.dtype == a.dtype]
+            pool.append(BINARY[op](a, alike[int(choices[1] * len(alike))]))
+        else:
+            fitting = [t for t in pool if t.dim() == 2 and t.shape[-1] == COLS]
+            a = fitting[int(choices[0] * len(fitting))]
+            pool.append(a @ weights[op].to(a.dtype))
+    return sum(t.float().square().mean() for t in pool if t.requires_grad)
+
+
+def step(forward, x, weights, context, seed: int, backwards: int = 1):
+    """Gradients of one ``forward(x, weights)`` under ``context`` (dropout seeded) and
+    ``backwards`` backwards of its loss (accumulated), or None when nothing requires them."""
+    for t in (x, *weights):
+        t.grad = None
+    torch.manual_seed(seed)
+    with context:
+        loss = forward(x, weights)
+    if not isinstance(loss, torch.Tensor):
+        return None
+    for _ in range(backwards - 1):
+        loss.backward(retain_graph=True)
+    loss.backward()
+    return [None if t.grad is None else t.grad.clone() for t in (x, *weights)]
+
+
+def inputs(seed: int, device: str, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(seed)
+    shift = [0.0, -1.0][seed % 2]  # about 50% and 85% zeros after a ReLU
+    x = (torch.randn(ROWS, COLS, generator=g) + shift).to(device, dtype).requires_grad_(seed % 5 != 0)
+    weights = [torch.nn.Parameter((torch.randn(COLS, COLS, generator=g) / 10).to(device, dtype)) for _ in range(3)]
+    return x, weights
+
+
+def assert_same_gradients(got, expected) -> None:
+    assert (got is None) == (expected is None)
+    for actual, wanted in zip(got or [], expected or []):
+        assert (actual is None) == (wanted is None)
+        if actual is not None:
+            assert_bitwise_equal(actual, wanted)
+
+
+def check_program(seed: int, device="cpu", dtype=torch.float32, no_sync: bool = False, backwards: int = 1):
+    """Dense gradients, then three steps under ``compressing()`` with the same bits, each of
+    which leaves no stored tensor alive; the last step's statistics."""
+    program, options = random_program(seed)
+    forward = functools.partial(run, program)
+    x, weights = inputs(seed, device, dtype)
+    expected = step(forward, x, weights, contextlib.nullcontext(), seed, backwards)
+    compressing = lambda: bitsparse.compressing(min_numel=64, capacity=1 << 24, **options)  # noqa: E731
+    for i in range(3):
+        sync_check = no_sync and i == 2
+        if sync_check:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = step(forward, x, weights, compressing(), seed, backwards)
+        finally:
+            if sync_check:
+                torch.cuda.set_sync_debug_mode(0)
+        assert_same_gradients(got, expected)
+        assert bitsparse.stats().tensors_alive == 0
+    return bitsparse.stats()
+
+
+@pytest.fixture(autouse=True)
+def fresh_session():
+    """A session without arenas or learned sites for each test, where no graph of a test
+    before is alive (the traceback of one that failed may keep it)."""
+    if bitsparse.stats().tensors_alive:
+        gc.collect()
+    if not bitsparse.stats().tensors_alive:
+        bitsparse.reset()
+    yield
+
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+@DTYPES
+@pytest.mark.parametrize("seed", range(PROGRAMS))
+def test_random_program_gradients_are_bit_identical(seed, dtype):
+    check_program(seed, dtype=dtype)
+
+
+@pytest.mark.parametrize("seed", range(0, PROGRAMS, 4))
+def test_random_program_gradients_of_two_backwards_are_bit_identical(seed):
+    """``retain_graph=True``: the second backward restores every saved tensor again."""
+    check_program(seed, backwards=2)
+
+
+def test_random_programs_store_recompute_and_share():
+    """The programs above exercise what they are for: tensors stored, squares and products
+    recomputed, tensors saved twice shared (counts of their last steps)."""
+    compressed = recomputed = shared = 0
+    for seed in range(PROGRAMS // 4):
+        stats = check_program(seed)
+        compressed += stats.tensors_compressed
+        recomputed += stats.tensors_recomputed
+        shared += stats.tensors_deduplicated
+        bitsparse.reset()
+    assert compressed and recomputed and shared, (compressed, recomputed, shared)
+
+
+def _dense_runs_without_sync(program, x, weights, seed) -> bool:
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(functools.partial(run, program), x, weights, contextlib.nullcontext(), seed)
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@DTYPES
+@pytest.mark.parametrize("seed", range(PROGRAMS))
+def test_random_program_gradients_are_bit_identical_on_cuda(seed, dtype):
+    program, _ = random_program(seed)
+    with deterministic_kernels():
+        no_sync = _dense_runs_without_sync(program, *inputs(seed, "cuda", dtype), seed)
+        check_program(seed, "cuda", dtype, no_sync)
+
+
+FOUND_COMPILED = [56, 58, 65, 87, 122, 136]
+"""Programs whose bf16 gradients compiled under BitSparse once differed from compiled dense's:
+the partitioner, told to save a ReLU output that the backward does not read itself, saved
+values computed from it instead, or a ReLU whose input the backward reads for more than the
+ReLU was restored where inductor had fused its recomputation with that input's other uses
+(``hooks.compiled.steer``)."""
+
+
+@DTYPES
+@pytest.mark.parametrize("seed", [*range(3), *FOUND_COMPILED])
+def test_compiled_random_program_gradients_are_bit_identical_to_compiled_dense(seed, dtype):
+    """The same programs compiled whole (``torch.compile``, inductor on the CPU), with and
+    without ``compressing()`` (``select="all"`` aside: docs/design.md, "Compiled graphs")."""
+    import torch._dynamo
+
+    program, options = random_program(seed)
+    options = {key: value for key, value in options.items() if key != "select"}
+    x, weights = inputs(seed, "cpu", dtype)
+    torch._dynamo.reset()
+    forward = torch.compile(functools.partial(run, program))
+    expected = step(forward, x, weights, contextlib.nullcontext(), seed)
+    for _ in range(2):
+        got = step(forward, x, weights, bitsparse.compressing(min_numel=64, capacity=1 << 24, **options), seed)
+        assert_same_gradients(got, expected)
