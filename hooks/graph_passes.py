@@ -294,7 +294,9 @@ def _is_zero(node: torch.fx.Node) -> bool:
 
 def place_ops(graph: torch.fx.Graph) -> None:
     """Move each ``store`` to right after the tensor it stores, and each ``restore_into``
-    (with its buffer) to right before the first use of what it restores.
+    (with its buffer) to right before the first use of what it restores, or before the ops
+    that lead up to it where inductor may fuse them with that use (``_fusible``): a restore
+    amid them would split the kernel inductor makes of them, which then sums in another order.
 
     AOTAutograd traces the packs at the end of the forward and the unpacks at the start of
     the backward. Inductor follows that order: it would compute a ReLU that it fused into its
@@ -333,12 +335,32 @@ def _move_before_first_use(graph: torch.fx.Graph, restore: torch.fx.Node, positi
     if not uses:
         return
     first = min(uses, key=position.__getitem__)
+    while _fusible(first.prev):
+        first = first.prev
     buffers = [
         node for node in restore.all_input_nodes
         if node.target is torch.ops.aten.empty_strided.default and len(node.users) == 1
     ]  # fmt: skip
     for node in (*buffers, restore, *outputs):
         first.prepend(node)
+
+
+_EXTERN = ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward")
+"""Ops inductor calls as they are (or as templates), between which it fuses the others."""
+
+
+def _fusible(node: torch.fx.Node) -> bool:
+    """Whether inductor may fuse ``node`` with the ops around it: an op of aten or prims that
+    it lowers to kernels of its own, not one it calls (a matrix product, a convolution, a
+    fallback kernel), nor another library's op."""
+    from torch._inductor.lowering import fallbacks, needs_realized_inputs
+
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target.namespace not in ("aten", "prims") or target._opname in _EXTERN:
+        return False
+    return target not in fallbacks and target not in needs_realized_inputs
 
 
 @functools.cache
