@@ -60,7 +60,13 @@ from torch.utils.checkpoint import CheckpointPolicy
 from bitsparse.compressed import MAX_NUMEL
 from bitsparse.format import SUPPORTED_DTYPES
 from bitsparse.hooks.compiled_ops import installed_hooks, register_lowerings
-from bitsparse.hooks.graph_passes import held_in_memory, is_view, only_read_from_memory, post_grad_passes
+from bitsparse.hooks.graph_passes import (
+    held_in_memory,
+    is_view,
+    only_read_from_memory,
+    post_grad_passes,
+    recompute_keeping_mutations,
+)
 from bitsparse.hooks.options import Options
 from bitsparse.hooks.provenance import RELU, SQUARE, Provenance, classify_fx_node, fx_kind
 
@@ -514,14 +520,19 @@ def _compile_ended(*_) -> None:
 
 def _steer_inductor(undo: list) -> None:
     """If inductor compiles: ``fuse_relu_squares``, ``fuse_relu_square_backwards`` and
-    ``place_ops`` after the post-grad passes (and after any such pass already set); what is
-    changed is noted in ``undo``."""
+    ``place_ops`` after the post-grad passes (and after any such pass already set), and before
+    PyTorch 2.14 its scheduler's fix that keeps a restore before the kernels reading what it
+    wrote (``graph_passes.recompute_keeping_mutations``); what is changed is noted in ``undo``."""
     config = sys.modules.get("torch._inductor.config")
     if config is None:
         return
     passes = post_grad_passes()
     if not isinstance(config.post_grad_custom_post_pass, passes):
         _assign(config, {"post_grad_custom_post_pass": passes(config.post_grad_custom_post_pass)}, undo)
+    from torch._inductor.scheduler import SchedulerNode
+
+    if torch.__version__ < (2, 14) and hasattr(SchedulerNode, "recompute_size_and_body"):
+        _assign(SchedulerNode, {"recompute_size_and_body": recompute_keeping_mutations()}, undo)
 
 
 def _assign(config, values: dict, undo: list) -> None:

@@ -14,7 +14,8 @@ compiled graph, and what they know of how inductor computes.
 Each fused op writes what inductor's own kernels would, bit for bit, and only where every
 reader reads it from memory (``only_read_from_memory``, ``held_in_memory``); every other
 store and restore is left as it is. ``post_grad_passes`` runs the three after the passes the
-configuration held before.
+configuration held before. ``recompute_keeping_mutations`` mends a PyTorch before 2.14 whose
+scheduler could run a kernel before the restore that fills what it reads.
 """
 
 from __future__ import annotations
@@ -361,6 +362,27 @@ def _fusible(node: torch.fx.Node) -> bool:
     if target.namespace not in ("aten", "prims") or target._opname in _EXTERN:
         return False
     return target not in fallbacks and target not in needs_realized_inputs
+
+
+@functools.cache
+def recompute_keeping_mutations() -> object:
+    """Inductor's ``SchedulerNode.recompute_size_and_body`` as PyTorch 2.14 has it. Before 2.14
+    its CPU backend, recomputing a node's loops to fuse it with another, read the node's
+    dependencies again from its loops and forgot that a buffer it reads was written in place
+    before (pytorch/pytorch#185509, unless the node also had an ordering-only dependency): the
+    scheduler could then run the node before the write. Each restore writes into a buffer in
+    place (``restore_into``), so a kernel could read the buffer before the restore had filled
+    it: memory of whatever was there before, and wrong gradients."""
+    from torch._inductor.scheduler import SchedulerNode
+
+    recompute = SchedulerNode.recompute_size_and_body
+
+    def recompute_size_and_body(self, *args, **kwargs):
+        recompute(self, *args, **kwargs)
+        if self.mutation_renames:  # renaming twice changes nothing: the new names are final
+            self.set_read_writes(self.read_writes.rename(self.mutation_renames))
+
+    return recompute_size_and_body
 
 
 @functools.cache

@@ -522,13 +522,25 @@ def test_retain_graph_through_a_compiled_model():
             assert bitsparse.stats().tensors_compressed == 2
 
 
+def _compiler_settings() -> tuple:
+    """What BitSparse sets for a compile and restores after it: inductor's settings, and the
+    scheduler's method it mends before PyTorch 2.14."""
+    import torch._inductor.config as config
+    from torch._inductor.scheduler import SchedulerNode
+
+    return (
+        config.allow_buffer_reuse,
+        config.inplace_buffers,
+        config.post_grad_custom_post_pass,
+        SchedulerNode.recompute_size_and_body,
+    )
+
+
 def test_a_dynamo_reset_inside_a_block_leaves_its_compile_exact():
     """``torch._dynamo.reset()`` removes the compile callbacks that steer compiles: a compile
     after it in the same block is steered late (the stores placed after their tensors), the
     tensors a full arena keeps dense stay exact, and the settings are restored when it ends."""
-    import torch._inductor.config as config
-
-    settings = (config.allow_buffer_reuse, config.inplace_buffers, config.post_grad_custom_post_pass)
+    settings = _compiler_settings()
     options = {**OPTIONS, "capacity": 4096}
     with bitsparse.compressing(**options):
         pass  # registers the compile callbacks
@@ -549,7 +561,7 @@ def test_a_dynamo_reset_inside_a_block_leaves_its_compile_exact():
     assert bitsparse.stats().fallbacks.get("arena_full", 0) > 0
     forward = _bitsparse_ops_among_kernels(codes[0])
     assert forward.count("S") == 2 and "SS" not in forward, forward
-    assert (config.allow_buffer_reuse, config.inplace_buffers, config.post_grad_custom_post_pass) == settings
+    assert _compiler_settings() == settings
 
 
 def test_first_compiled_step_with_an_arena_that_follows_demand():
@@ -668,9 +680,7 @@ def test_cuda_graphs_are_refused_with_the_alternative(mode):
 def test_graphs_compiled_under_bitsparse_reuse_buffers():
     """Compiled code reuses buffers and computes in place under BitSparse's hooks as without
     them, and the compiler's settings are as they were after the compile."""
-    import torch._inductor.config as config
-
-    settings = (config.allow_buffer_reuse, config.inplace_buffers, config.post_grad_custom_post_pass)
+    settings = _compiler_settings()
     compiled = torch.compile(mlp())
     plain = _generated_code(lambda: compiled(mlp_input()))
     torch._dynamo.reset()
@@ -678,7 +688,7 @@ def test_graphs_compiled_under_bitsparse_reuse_buffers():
         steered = _generated_code(lambda: compiled(mlp_input()))
     assert "bitsparse.functions.store" in steered[0]
     assert "# reuse" in plain[0] and "# reuse" in steered[0]
-    assert (config.allow_buffer_reuse, config.inplace_buffers, config.post_grad_custom_post_pass) == settings
+    assert _compiler_settings() == settings
 
 
 @pytest.mark.usefixtures("reporting_arenas", "fused_backwards_on_the_cpu")

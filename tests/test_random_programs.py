@@ -14,8 +14,8 @@ values), not of a comparison of gradients.
 On CUDA (``-m gpu``) the same programs run in float32 and bfloat16 through the Triton codec
 and the arena's streams, and the last step under ``torch.cuda.set_sync_debug_mode("error")``
 wherever the program's own ops run under it without BitSparse. A few of them, and those that
-once differed, also run compiled whole on the CPU, against the same compiled program without
-BitSparse.
+once differed, also run compiled whole, on the CPU and on CUDA, against the same compiled
+program without BitSparse.
 """
 
 from __future__ import annotations
@@ -268,20 +268,49 @@ dense's: the partitioner, told to save a ReLU output that the backward does not 
 saved values computed from it instead; a ReLU whose input the backward reads for more than
 the ReLU was restored where inductor had fused its recomputation with that input's other
 uses (``hooks.compiled.steer``); a restore placed amid ops that inductor fuses into one kernel
-without it split them (``hooks.graph_passes.place_ops``; 53 and 226, ``select="all"``)."""
+without it split them (``hooks.graph_passes.place_ops``; 53, ``select="all"``); before PyTorch
+2.14, inductor's CPU scheduler ran a kernel before the restore that filled a buffer it read
+(``hooks.graph_passes.recompute_keeping_mutations``; 226, ``select="all"``, where the restore's
+placement hides it too)."""
+
+FOUND_COMPILED_ALL = [(439, "bf16")]
+"""Programs whose gradients differed with ``select="all"`` in place of their options: a kernel
+run before the restore that filled a buffer it read, as 226's."""
 
 
-@pytest.mark.parametrize("seed, dtype", [(0, "fp32"), (1, "bf16"), *FOUND_COMPILED])
-def test_compiled_random_program_gradients_are_bit_identical_to_compiled_dense(seed, dtype):
-    """The same programs compiled whole (``torch.compile``, inductor on the CPU), with and
-    without ``compressing()``."""
+COMPILED = [(0, "fp32", None), (1, "bf16", None)]
+COMPILED += [(seed, dtype, None) for seed, dtype in FOUND_COMPILED]
+COMPILED += [(seed, dtype, "all") for seed, dtype in FOUND_COMPILED_ALL]
+
+
+def check_compiled_program(seed: int, device: str, dtype: str, select: str | None) -> None:
+    """The program compiled whole (``torch.compile``, inductor), with and without
+    ``compressing()`` (with the program's options, or ``select`` in place of them): two steps
+    under BitSparse with the gradients of the one without it, bit for bit."""
     import torch._dynamo
 
     program, options = random_program(seed)
-    x, weights = inputs(seed, "cpu", {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    if select is not None:
+        options = {"select": select}
+    x, weights = inputs(seed, device, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
     torch._dynamo.reset()
     forward = torch.compile(functools.partial(run, program))
     expected = step(forward, x, weights, contextlib.nullcontext(), seed)
     for _ in range(2):
         got = step(forward, x, weights, bitsparse.compressing(min_numel=64, capacity=1 << 24, **options), seed)
         assert_same_gradients(got, expected)
+
+
+@pytest.mark.parametrize("seed, dtype, select", COMPILED)
+def test_compiled_random_program_gradients_are_bit_identical_to_compiled_dense(seed, dtype, select):
+    check_compiled_program(seed, "cpu", dtype, select)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("seed, dtype, select", COMPILED + [(seed, "bf16", None) for seed in range(2, 12)])
+def test_compiled_random_program_gradients_are_bit_identical_on_cuda(seed, dtype, select):
+    """The same on CUDA: inductor's Triton kernels, the Triton codec, and the fused stores
+    and restores of ReLU outputs that are squared (CUDA only)."""
+    with deterministic_kernels():
+        check_compiled_program(seed, "cuda", dtype, select)
