@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Callable
 
 import torch
 
@@ -365,7 +366,7 @@ def _fusible(node: torch.fx.Node) -> bool:
 
 
 @functools.cache
-def recompute_keeping_mutations() -> object:
+def recompute_keeping_mutations() -> Callable[..., None]:
     """Inductor's ``SchedulerNode.recompute_size_and_body`` as PyTorch 2.14 has it. Before 2.14
     its CPU backend, recomputing a node's loops to fuse it with another, read the node's
     dependencies again from its loops and forgot that a buffer it reads was written in place

@@ -536,6 +536,32 @@ def _compiler_settings() -> tuple:
     )
 
 
+def _pooled_paths(x: torch.Tensor) -> torch.Tensor:
+    """A loss whose gradient flows through a max pooling beside other paths: compiled by
+    PyTorch 2.13 on the CPU, its backward loses the pooling's part."""
+    product = x * torch.relu(x)
+    tail = nn.functional.leaky_relu(x.clone().relu_()[:, 1:], 0.01)
+    weight = torch.full((4, 4, 3, 3), 1 / 36)
+    conv = nn.functional.conv2d(product.reshape(48, 4, 5, 5), weight, padding=1)
+    pooled = nn.functional.max_pool2d(torch.relu(conv), 2)
+    return sum(t.square().mean() for t in (x, product, tail, pooled, torch.sigmoid(tail)))
+
+
+def test_compiled_gradients_are_right_where_the_scheduler_before_pytorch_2_14_is_wrong():
+    """Before PyTorch 2.14 inductor's CPU scheduler could run a kernel before an op that writes
+    what it reads in place (here max pooling's backward, which scatters into a buffer of
+    zeros; pytorch/pytorch#185509). BitSparse mends it for its compiles, whose restores write
+    in place: under ``compressing()`` the compiled gradients are eager's, to float32
+    rounding, where without BitSparse PyTorch 2.13 loses the pooling's part."""
+    x = (torch.randn(48, 100, generator=generator(17)) - 1).requires_grad_()
+    (expected,) = torch.autograd.grad(_pooled_paths(x), x)
+    compiled = torch.compile(_pooled_paths)
+    with bitsparse.compressing(**OPTIONS):
+        loss = compiled(x)
+    (got,) = torch.autograd.grad(loss, x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-8)
+
+
 def test_a_dynamo_reset_inside_a_block_leaves_its_compile_exact():
     """``torch._dynamo.reset()`` removes the compile callbacks that steer compiles: a compile
     after it in the same block is steered late (the stores placed after their tensors), the
