@@ -41,8 +41,10 @@ graph), two things steer the compiler:
 - The backward is compiled together with the forward (``force_non_lazy_backward_lowering``),
   while the passes are installed, rather than at its first run, outside ``compressing()``.
 
-``steer_compiles`` sets these and the post-grad passes for each compile that begins under
-BitSparse's hooks, and only for it (``torch._dynamo.callback``'s compile callbacks).
+``steer_compiles`` sets these, the post-grad passes and, before PyTorch 2.14, the mend of
+inductor's scheduler (``graph_passes.recompute_keeping_mutations``) for each compile that
+begins under BitSparse's hooks, and only for it (``torch._dynamo.callback``'s compile
+callbacks).
 """
 
 from __future__ import annotations
@@ -358,9 +360,20 @@ def steer(graph_module: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
             if _padded_by_inductor(graph_module.graph, value, value.stride()):
                 continue
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-        elif kind == SQUARE and classify_fx_node(node) is Provenance.RELU and only_read_from_memory(node):
+        elif kind == SQUARE and _squares_a_saved_relu(node) and only_read_from_memory(node):
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
     return graph_module
+
+
+def _squares_a_saved_relu(square: torch.fx.Node) -> bool:
+    """Whether ``square`` squares (a view of) a ReLU output tagged ``MUST_SAVE`` above: only
+    then is it recomputed from what the graph saves anyway. A square of a ReLU left to the
+    partitioner (of a cast, say) it would recompute from further back, and what inductor
+    fuses in the backward changes with it: the bf16 sums of a weight's gradient differed."""
+    value = square.args[0]
+    while is_view(value) and isinstance(value.args[0], torch.fx.Node):
+        value = value.args[0]
+    return value.meta.get("recompute") is CheckpointPolicy.MUST_SAVE
 
 
 def _forward_nodes(joint: torch.fx.Graph) -> set:
