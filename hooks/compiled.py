@@ -360,7 +360,12 @@ def steer(graph_module: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
             if _padded_by_inductor(graph_module.graph, value, value.stride()):
                 continue
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-        elif kind == SQUARE and _squares_a_saved_relu(node) and only_read_from_memory(node):
+        elif (
+            kind == SQUARE
+            and classify_fx_node(node) is Provenance.RELU
+            and _squares_a_saved_relu(node)
+            and only_read_from_memory(node)
+        ):
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
     return graph_module
 
