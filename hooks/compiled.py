@@ -68,6 +68,7 @@ from bitsparse.hooks.graph_passes import (
     only_read_from_memory,
     post_grad_passes,
     recompute_keeping_mutations,
+    viewed,
 )
 from bitsparse.hooks.options import Options
 from bitsparse.hooks.provenance import RELU, SQUARE, Provenance, classify_fx_node, fx_kind
@@ -375,10 +376,7 @@ def _squares_a_saved_relu(square: torch.fx.Node) -> bool:
     then is it recomputed from what the graph saves anyway. A square of a ReLU left to the
     partitioner (of a cast, say) it would recompute from further back, and what inductor
     fuses in the backward changes with it: the bf16 sums of a weight's gradient differed."""
-    value = square.args[0]
-    while is_view(value) and isinstance(value.args[0], torch.fx.Node):
-        value = value.args[0]
-    return value.meta.get("recompute") is CheckpointPolicy.MUST_SAVE
+    return viewed(square.args[0]).meta.get("recompute") is CheckpointPolicy.MUST_SAVE
 
 
 def _forward_nodes(joint: torch.fx.Graph) -> set:
@@ -547,10 +545,11 @@ def _steer_inductor(undo: list) -> None:
     passes = post_grad_passes()
     if not isinstance(config.post_grad_custom_post_pass, passes):
         _assign(config, {"post_grad_custom_post_pass": passes(config.post_grad_custom_post_pass)}, undo)
-    from torch._inductor.scheduler import SchedulerNode
+    if torch.__version__ < (2, 14):
+        from torch._inductor.scheduler import SchedulerNode
 
-    if torch.__version__ < (2, 14) and hasattr(SchedulerNode, "recompute_size_and_body"):
-        _assign(SchedulerNode, {"recompute_size_and_body": recompute_keeping_mutations()}, undo)
+        if hasattr(SchedulerNode, "recompute_size_and_body"):
+            _assign(SchedulerNode, {"recompute_size_and_body": recompute_keeping_mutations()}, undo)
 
 
 def _assign(config, values: dict, undo: list) -> None:

@@ -41,6 +41,14 @@ def is_view(node: torch.fx.Node) -> bool:
     return getattr(node.target, "_opname", None) in _VIEWS
 
 
+def viewed(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose output ``node``'s is a view of, through any chain of views (``node``
+    itself if it is no view)."""
+    while is_view(node) and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
 def only_read_from_memory(node: torch.fx.Node) -> bool:
     """Whether every use of ``node``'s value, through views, reads it from memory: as an
     operand of a matrix product, or as the graph's output.
@@ -74,8 +82,7 @@ def held_in_memory(node) -> bool:
     another value than the graph's own kernel; and what inductor fuses with it changes with
     what is saved (``hooks.compiled.steer``)."""
     aten = torch.ops.aten
-    while is_view(node) and isinstance(node.args[0], torch.fx.Node):
-        node = node.args[0]
+    node = viewed(node)
     return node.op == "placeholder" or node.target in (aten.mm.default, aten.addmm.default, aten.bmm.default)
 
 
