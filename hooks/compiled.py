@@ -81,6 +81,17 @@ object could take over from a dead one, running a graph compiled for another pai
 MAX_OPTION_SETS = 256
 """Run-time option sets a pack hook keeps its screen for; forgotten all at once past this."""
 _numbers = itertools.count()
+_FILLS = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in ("full", "full_like", "zeros", "zeros_like", "ones", "ones_like", "scalar_tensor")
+    + ("empty", "empty_like", "empty_strided", "new_full", "new_zeros", "new_ones", "new_empty")
+)
+"""Ops whose output reads no tensor's values. A graph saves such a tensor only where the joint
+graph shared a forward's zeros with the backward (``torch.where(t > 0, t, 0)`` beside an
+indexing, whose backward scatters into zeros); stored, it would be restored into a buffer of
+the backward's own, which inductor then scatters into in place, computing the kernel around
+it in two passes with a rounding between them that the graph without BitSparse, whose saved
+zeros are an input it must not write, does not make. Such tensors are kept as they are."""
 _AOT_GRAPH_COMPILE = "torch._functorch._aot_autograd.graph_compile"
 
 
@@ -203,7 +214,8 @@ def fx_site(node: torch.fx.Node) -> str:
 
 def selected(node: torch.fx.Node, options: Options, excluded: frozenset = frozenset()) -> bool:
     """Whether the value of ``node`` is compressed: a floating tensor of a supported dtype and
-    size, ReLU-family by the shared rule (or any, with ``select="all"``), of a site that pays."""
+    size, ReLU-family by the shared rule (or any, with ``select="all"``, but a fill:
+    ``_FILLS``), of a site that pays."""
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor) or value.dtype not in SUPPORTED_DTYPES:
         return False
@@ -217,6 +229,8 @@ def selected(node: torch.fx.Node, options: Options, excluded: frozenset = frozen
     if not options.min_numel <= numel <= MAX_NUMEL or numel == 0:
         return False
     if options.select == "relu" and classify_fx_node(node) is not Provenance.RELU:
+        return False
+    if getattr(node.target, "overloadpacket", None) in _FILLS:
         return False
     return fx_site(node) not in excluded
 

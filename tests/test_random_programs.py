@@ -274,9 +274,11 @@ without it split them (``hooks.graph_passes.place_ops``; 53, ``select="all"``); 
 placement hides it too); a square of a ReLU output that nothing stores, told to be recomputed,
 changed how inductor fused the backward (160, whose square is bf16)."""
 
-FOUND_COMPILED_ALL = [(439, "bf16")]
+FOUND_COMPILED_ALL = [(439, "bf16"), (306, "bf16")]
 """Programs whose gradients differed with ``select="all"`` in place of their options: a kernel
-run before the restore that filled a buffer it read, as 226's."""
+run before the restore that filled a buffer it read, as 226's (439); zeros that the forward
+shared with the backward's scatter, stored, which inductor then scattered into in place and
+computed the kernel around it in two passes (306, ``hooks.compiled._FILLS``)."""
 
 
 COMPILED = [(0, "fp32", None), (1, "bf16", None)]
