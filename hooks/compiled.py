@@ -90,8 +90,9 @@ _FILLS = frozenset(
 graph shared a forward's zeros with the backward (``torch.where(t > 0, t, 0)`` beside an
 indexing, whose backward scatters into zeros); stored, it would be restored into a buffer of
 the backward's own, which inductor then scatters into in place, computing the kernel around
-it in two passes with a rounding between them that the graph without BitSparse, whose saved
-zeros are an input it must not write, does not make. Such tensors are kept as they are."""
+it in two passes with a rounding between them that the graph without BitSparse, which copies
+the saved zeros it receives before scattering, does not make. Such tensors are kept as they
+are."""
 _AOT_GRAPH_COMPILE = "torch._functorch._aot_autograd.graph_compile"
 
 
