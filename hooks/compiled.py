@@ -86,13 +86,12 @@ _FILLS = frozenset(
     for name in ("full", "full_like", "zeros", "zeros_like", "ones", "ones_like", "scalar_tensor")
     + ("empty", "empty_like", "empty_strided", "new_full", "new_zeros", "new_ones", "new_empty")
 )
-"""Ops whose output reads no tensor's values. A graph saves such a tensor only where the joint
-graph shared a forward's zeros with the backward (``torch.where(t > 0, t, 0)`` beside an
-indexing, whose backward scatters into zeros); stored, it would be restored into a buffer of
-the backward's own, which inductor then scatters into in place, computing the kernel around
-it in two passes with a rounding between them that the graph without BitSparse, which copies
-the saved zeros it receives before scattering, does not make. Such tensors are kept as they
-are."""
+"""Ops whose output reads no tensor's values; such a tensor is kept as it is. A graph saved
+one where the joint graph shared a forward's zeros with the backward (``torch.where(t > 0, t,
+0)`` beside an indexing, whose backward scatters into zeros). Stored, it was restored into a
+buffer of the backward's own, which inductor scattered into in place, computing the kernel
+around it in two passes with a rounding between them that the graph without BitSparse, which
+copies the saved zeros it receives before scattering, does not make."""
 _AOT_GRAPH_COMPILE = "torch._functorch._aot_autograd.graph_compile"
 
 
