@@ -673,11 +673,11 @@ class Arena:
         ``GROW_WHEN_ABOVE`` of its size or under half of it. Both device regions together
         take at most the fewest dense words of those steps and of the last one, less what
         comes with a buffer (``_words_beside_regions``): where they would take more, that
-        smallest step keeps room for its own demand, and the rest goes to the fixed region
-        first (see ``_within_dense``); no buffer after a step that stored nothing. The spill
-        region's demand is the most value words less the value region's device part, capped
-        at this device's share of ``SPILL_SHARE_OF_HOST`` of the host's available memory. A
-        region that changes is released now and allocated again at the first
+        smallest step keeps room for its own demand, and the regions share the rest as the
+        plan does (see ``_within_dense``); no buffer after a step that stored nothing. The
+        spill region's demand is the most value words less the value region's device part,
+        capped at this device's share of ``SPILL_SHARE_OF_HOST`` of the host's available
+        memory. A region that changes is released now and allocated again at the first
         ``reserve_fixed``. The step's hold allowance is ``dense_words`` less the arena's
         device memory.
         """
@@ -810,15 +810,18 @@ def _added(earlier: tuple | None, later: tuple) -> tuple:
 
 
 def _within_dense(fixed: int, values: int, smallest: tuple) -> tuple[int, int]:
-    """The fixed and value words of a plan cut to take no more device memory together than
-    the tensors of the step ``smallest`` (its fixed, value, most value and dense words) take
-    dense: first that step's own demand with its headroom, then the fixed region's (every
-    stored tensor needs its part there; values can go on in the spill region), then values."""
+    """The fixed and value words of a plan (``fixed`` and ``values``, more than ``smallest``'s
+    dense words together) cut to take no more device memory together than the tensors of the
+    step ``smallest`` (its fixed, value, most value and dense words) take dense: that step's
+    own demand with its headroom first, and the words shared as the plan shares them. A larger
+    step then stores the tensors whose fixed parts fit with their values on the device, and
+    keeps the others dense (its fixed region is full): with the fixed region first, it would
+    store them all, and the values that did not fit would go to the spill region, over PCIe
+    and back, at every such step."""
     own_fixed, own_values, _, dense = smallest
     own_fixed, own_values = min(fixed, math.ceil(own_fixed * HEADROOM)), min(values, math.ceil(own_values * HEADROOM))
     if own_fixed + own_values > dense:  # a step that shrinks by less than the headroom
         scale = dense / (own_fixed + own_values)
         return int(own_fixed * scale), int(own_values * scale)
-    spare = dense - own_fixed - own_values
-    more_fixed = min(fixed - own_fixed, spare)
-    return own_fixed + more_fixed, own_values + min(values - own_values, spare - more_fixed)
+    fixed_share = min(max(own_fixed, fixed * dense // (fixed + values)), dense - own_values)
+    return fixed_share, min(values, dense - fixed_share)

@@ -55,10 +55,7 @@ class Options:
             the second step on for the most the last step's tensors could take beyond the
             device part. The arena is then sure of room for a step like the last: no tensor
             is held dense or waited for, and values that outrun the device part (a step
-            less sparse than the last, or larger than the device part may be: it is bounded
-            by the smallest of the recent steps) go to host memory and are read back in
-            backward, crossing PCIe twice: where many do (step sizes that differ by more
-            than the compression ratio), False is faster, and keeps them dense. Such an
+            less sparse than the last) go to host memory and are read back in backward. Such an
             arena is mapped through CUDA's virtual memory API, outside PyTorch's caching
             allocator (``torch.cuda.memory_allocated`` leaves it out; ``stats().arena_reserved``
             has it). Ignored off CUDA and where the driver cannot map host memory (before

@@ -569,7 +569,13 @@ def test_the_device_regions_never_take_more_than_the_smallest_recent_step_dense(
         allocated = sum(-(-n // 512) * 512 for n in (arena.capacity_bytes, COUNTER_BYTES, start_bytes))
         assert allocated <= small_dense_words * WORD_BYTES
     assert_all_fit_exactly(run_step(arena, small), small)
-    assert sum(c.fits() for c in run_step(arena, big) if c is not None) > 3
+    # The regions share the room as the big step's demand does: the tensors whose fixed parts
+    # fit find room for their values on the device, and the others are kept (a spill region
+    # would otherwise take values over PCIe and back at every big step).
+    compressed = run_step(arena, big)
+    stored = [(c, x) for c, x in zip(compressed, big) if c is not None]
+    assert 3 < len(stored) < len(big)
+    assert_all_fit_exactly(*zip(*stored))
 
 
 def test_the_arena_shrinks_once_a_smaller_demand_lasted_demand_steps():

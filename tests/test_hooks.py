@@ -1211,6 +1211,8 @@ def test_reported_appends_are_exact(reporting_arenas):
         check_consistent(s)
         assert s.tensors_compressed > 0 and s.window_waits == 0  # everything was sure to fit
     check_exact(convnet(), image_input(), steps=2)
+    # A fresh session: the models before would bound the arena (docs/design.md, "Growth policy").
+    bitsparse.reset()
     stats = check_exact(mlp(), mlp_input(), steps=3, capacity=4096)  # too small at first, then grown
     assert stats[0].fallbacks.get("arena_full", 0) > 0 and stats[-1].fallbacks == {}
 
