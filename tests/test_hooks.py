@@ -1217,6 +1217,27 @@ def test_reported_appends_are_exact(reporting_arenas):
     assert stats[0].fallbacks.get("arena_full", 0) > 0 and stats[-1].fallbacks == {}
 
 
+def test_a_step_the_bound_holds_back_keeps_dense_what_the_device_part_cannot_hold(reporting_arenas):
+    """Batches of two sizes in turn, whose larger one's ReLU outputs (about half zeros) take
+    more stored than the smaller one's take dense, the bound of the arena's device part
+    (docs/design.md, "Growth policy"): the larger steps store the tensors whose values fit on
+    the device and keep the others dense, rather than send values to the spill region at every
+    such step. Gradients stay exact all along."""
+    bitsparse.reset()
+    model = mlp()
+    inputs = [mlp_input(batch=64), mlp_input(batch=128)]
+    expected = [train_step(model, x, contextlib.nullcontext()) for x in inputs]
+    for step in range(DEMAND_STEPS + 2):
+        got = train_step(model, inputs[step % 2], bitsparse.compressing(min_numel=MIN_NUMEL))
+        assert_same_grads(got, expected[step % 2])
+        s = bitsparse.stats()
+        check_consistent(s)
+        if step >= 3 and step % 2:  # a larger step planned with a smaller one's bound
+            assert s.tensors_compressed > 0 and s.fallbacks.get("arena_full", 0) > 0, str(s)
+            assert s.spilled_bytes == 0, str(s)
+    assert alive() == 0
+
+
 def relu_of_linear(capacity: int):
     """A ReLU output of 131072 float32 elements (about half zeros) stored under
     ``compressing(capacity=capacity)``: its storage, weakly, and the graph's output."""
