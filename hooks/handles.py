@@ -318,7 +318,8 @@ class SquareOf(Derived):
 class ViewOf(Handle):
     """A view of a tensor another handle stores (the same storage saved twice).
 
-    ``size``, ``stride`` and ``offset`` place the view in the source's restored tensor.
+    ``size``, ``stride`` and ``offset`` place the view in the source's restored tensor,
+    ``offset`` counted from where that tensor starts in its storage.
     """
 
     __slots__ = ("source", "size", "stride", "offset")
@@ -329,7 +330,10 @@ class ViewOf(Handle):
         self.size, self.stride, self.offset = size, stride, offset
 
     def _restore(self) -> torch.Tensor:
-        return self.source.tensor().as_strided(self.size, self.stride, self.offset)
+        # A decoded tensor starts its own storage; one kept dense is the original, which may
+        # start further into its storage (a slice).
+        restored = self.source.tensor()
+        return restored.as_strided(self.size, self.stride, restored.storage_offset() + self.offset)
 
 
 class Recomputed(Derived):

@@ -409,6 +409,36 @@ def test_kept_dense_tensor_is_its_own_storage_and_geometry():
     assert_bitwise_equal(restored, t)
 
 
+class ReLUSlices(nn.Module):
+    """A ReLU output saved only as a row slice, at an offset in its storage (``clamp`` saves
+    its input, not its output): a ReGLU-like product of it that a later op saves (recomputed
+    at unpack from the slice), and a narrower slice of it saved again (found stored: a view
+    of the first)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.fc = nn.Linear(32, 128)
+        self.v, self.w = nn.Parameter(torch.randn(128, generator=g)), nn.Parameter(torch.randn(128, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        r = h.clamp(min=0)[1:]
+        glu = r * h[1:]
+        return (glu * self.v)[2:] + r[2:] * self.w
+
+
+@pytest.mark.parametrize("capacity", ["auto", 4096, ARENA], ids=["first-step-measures", "arena-full", "stored"])
+def test_slices_of_a_relu_output_restore_their_own_rows(capacity):
+    """Views of a tensor kept dense (a first step only measures; a full arena) read the rows
+    they were saved with, as views of a decoded one do: gradients equal plain autograd's."""
+    model, x = ReLUSlices(), mlp_input()
+    first, second = check_exact(model, x, capacity=capacity)
+    for stats in (first, second):
+        assert stats.tensors_recomputed == 1 and stats.tensors_deduplicated == 1
+    assert first.tensors_compressed == (capacity == ARENA)
+
+
 def test_select_all_on_transformer():
     without_traceback(check_exact, transformer(), sequence_input(), select="all")
 
