@@ -436,7 +436,8 @@ def test_slices_of_a_relu_output_restore_their_own_rows(capacity):
     first, second = check_exact(model, x, capacity=capacity)
     for stats in (first, second):
         assert stats.tensors_recomputed == 1 and stats.tensors_deduplicated == 1
-    assert first.tensors_compressed == (capacity == ARENA)
+    compressed = (first.tensors_compressed, second.tensors_compressed)
+    assert compressed == ((1, 1) if capacity == ARENA else (0, 1))  # the arena grows for the second
 
 
 def test_select_all_on_transformer():
