@@ -15,7 +15,8 @@ On CUDA (``-m gpu``) the same programs run in float32 and bfloat16 through the T
 and the arena's streams, and the last step under ``torch.cuda.set_sync_debug_mode("error")``
 wherever the program's own ops run under it without BitSparse. A few of them, and those that
 once differed, also run compiled whole, on the CPU and on CUDA, against the same compiled
-program without BitSparse.
+program without BitSparse, and a few cut into parts that run eagerly or compiled each on its
+own, whose compiled parts save what eager parts made and the other way round.
 """
 
 from __future__ import annotations
@@ -127,10 +128,12 @@ def random_program(seed: int) -> tuple[list[tuple], dict]:
     return program, rng.choice(OPTIONS)
 
 
-def run(program, x: torch.Tensor, weights) -> torch.Tensor:
-    """The loss of ``program`` on ``x``: the sum of every tensor's mean square."""
-    pool = [x]
-    for kind, op, *choices in program:
+def made_by(ops, pool: list, weights) -> list:
+    """The tensors ``ops`` make, in order, each op drawing its operands from ``pool`` and
+    from what the ops before it made."""
+    pool = list(pool)
+    made = len(pool)
+    for kind, op, *choices in ops:
         if kind == "unary":
             pool.append(UNARY[op](pool[int(choices[0] * len(pool))]))
         elif kind == "binary":
@@ -141,7 +144,17 @@ def run(program, x: torch.Tensor, weights) -> torch.Tensor:
             fitting = [t for t in pool if t.dim() == 2 and t.shape[-1] == COLS]
             a = fitting[int(choices[0] * len(fitting))]
             pool.append(a @ weights[op].to(a.dtype))
+    return pool[made:]
+
+
+def loss_of(pool) -> torch.Tensor:
+    """The sum of every tensor's mean square."""
     return sum(t.float().square().mean() for t in pool if t.requires_grad)
+
+
+def run(program, x: torch.Tensor, weights) -> torch.Tensor:
+    """The loss of ``program`` on ``x``."""
+    return loss_of([x, *made_by(program, [x], weights)])
 
 
 def step(forward, x, weights, context, seed: int, backwards: int = 1):
@@ -311,6 +324,60 @@ def check_compiled_program(seed: int, device: str, dtype: str, select: str | Non
 @pytest.mark.parametrize("seed, dtype, select", COMPILED)
 def test_compiled_random_program_gradients_are_bit_identical_to_compiled_dense(seed, dtype, select):
     check_compiled_program(seed, "cpu", dtype, select)
+
+
+def in_parts(seed: int):
+    """Program ``seed`` cut into parts of one to four ops, about half of them compiled, each
+    on its own (``torch.compile``), and its options; the forward runs the parts in turn, each
+    drawing on what the parts before it made."""
+    program, options = random_program(seed)
+    rng = random.Random(-seed)
+    parts, done = [], 0
+    while done < len(program):
+        size = rng.randint(1, 4)
+        parts.append(program[done : done + size])
+        done += size
+    eager = [functools.partial(made_by, ops) for ops in parts]
+    runs = [torch.compile(part) if rng.random() < 0.5 else part for part in eager]
+
+    def forward(x, weights):
+        pool = [x]
+        for part in runs:
+            pool += part(pool, weights)
+        return loss_of(pool)
+
+    return forward, options
+
+
+MIXED = [(4, "bf16"), (6, "fp32"), (10, "fp32"), (27, "bf16")]
+"""Programs whose compiled parts and eager parts both store tensors (options:
+``recompute_squares=False`` for 4 and 10, ``select="all"`` for 6, ``sign_pack=True`` for 27)."""
+
+
+def check_program_in_parts(seed: int, dtype: str) -> None:
+    """``in_parts(seed)`` with and without ``compressing()``: a fresh session's first step,
+    which only measures, a step that stores, and one whose arena is full, each with the
+    gradients of the same parts without BitSparse, bit for bit."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    forward, options = in_parts(seed)
+    x, weights = inputs(seed, "cpu", {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    # Every part compiles the code of ``made_by``: more entries than Dynamo's default limit,
+    # past which it would run them eagerly and compare nothing compiled.
+    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+        expected = step(forward, x, weights, contextlib.nullcontext(), seed)
+        for capacity in ("auto", 1 << 24, 4096):
+            got = step(forward, x, weights, bitsparse.compressing(min_numel=64, capacity=capacity, **options), seed)
+            assert_same_gradients(got, expected)
+            stats = bitsparse.stats()
+            assert stats.tensors_alive == 0
+            assert stats.tensors_compressed or capacity != 1 << 24
+
+
+@pytest.mark.parametrize("seed, dtype", MIXED)
+def test_random_program_in_eager_and_compiled_parts_gives_the_same_gradients(seed, dtype):
+    check_program_in_parts(seed, dtype)
 
 
 @pytest.mark.gpu
