@@ -278,6 +278,9 @@ def test_random_program_gradients_are_bit_identical_on_cuda(seed, dtype):
         check_program(seed, "cuda", dtype, no_sync)
 
 
+DTYPE_NAMED = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""The dtypes that the cases below name."""
+
 FOUND_COMPILED = [(53, "bf16"), (56, "bf16"), (58, "bf16"), (65, "bf16"), (87, "bf16"), (122, "bf16"), (136, "bf16")]
 FOUND_COMPILED += [(226, "fp32"), (160, "fp32")]
 """Programs (and dtypes) whose gradients compiled under BitSparse once differed from compiled
@@ -312,7 +315,7 @@ def check_compiled_program(seed: int, device: str, dtype: str, select: str | Non
     program, options = random_program(seed)
     if select is not None:
         options = {"select": select}
-    x, weights = inputs(seed, device, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    x, weights = inputs(seed, device, DTYPE_NAMED[dtype])
     torch._dynamo.reset()
     forward = torch.compile(functools.partial(run, program))
     expected = step(forward, x, weights, contextlib.nullcontext(), seed)
@@ -362,7 +365,7 @@ def check_program_in_parts(seed: int, dtype: str) -> None:
 
     torch._dynamo.reset()
     forward, options = in_parts(seed)
-    x, weights = inputs(seed, "cpu", {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    x, weights = inputs(seed, "cpu", DTYPE_NAMED[dtype])
     # Each compiled part is an entry of the code of ``made_by``, with the hooks and without:
     # past Dynamo's default limit of 8 entries, parts would run eagerly in one mode and
     # compiled in the other; past this one, Dynamo raises.
