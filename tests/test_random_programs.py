@@ -16,7 +16,7 @@ and the arena's streams, and the last step under ``torch.cuda.set_sync_debug_mod
 wherever the program's own ops run under it without BitSparse. A few of them, and those that
 once differed, also run compiled whole, on the CPU and on CUDA, against the same compiled
 program without BitSparse, and a few cut into parts that run eagerly or compiled each on its
-own, whose compiled parts save what eager parts made and the other way round.
+own (on both), whose compiled parts save what eager parts made and the other way round.
 """
 
 from __future__ import annotations
@@ -357,7 +357,7 @@ MIXED = [(4, "bf16"), (6, "fp32"), (10, "fp32"), (27, "bf16")]
 ``recompute_squares=False`` for 4 and 10, ``select="all"`` for 6, ``sign_pack=True`` for 27)."""
 
 
-def check_program_in_parts(seed: int, dtype: str) -> None:
+def check_program_in_parts(seed: int, device: str, dtype: str) -> None:
     """``in_parts(seed)`` with and without ``compressing()``: a fresh session's first step,
     which only measures, a step that stores, and one whose arena is full, each with the
     gradients of the same parts without BitSparse, bit for bit."""
@@ -365,7 +365,7 @@ def check_program_in_parts(seed: int, dtype: str) -> None:
 
     torch._dynamo.reset()
     forward, options = in_parts(seed)
-    x, weights = inputs(seed, "cpu", DTYPE_NAMED[dtype])
+    x, weights = inputs(seed, device, DTYPE_NAMED[dtype])
     # Each compiled part is an entry of the code of ``made_by``, with the hooks and without:
     # past Dynamo's default limit of 8 entries, parts would run eagerly in one mode and
     # compiled in the other; past this one, Dynamo raises.
@@ -382,7 +382,7 @@ def check_program_in_parts(seed: int, dtype: str) -> None:
 
 @pytest.mark.parametrize("seed, dtype", MIXED)
 def test_random_program_in_eager_and_compiled_parts_gives_the_same_gradients(seed, dtype):
-    check_program_in_parts(seed, dtype)
+    check_program_in_parts(seed, "cpu", dtype)
 
 
 @pytest.mark.gpu
@@ -393,3 +393,13 @@ def test_compiled_random_program_gradients_are_bit_identical_on_cuda(seed, dtype
     and restores of ReLU outputs that are squared (CUDA only)."""
     with deterministic_kernels():
         check_compiled_program(seed, "cuda", dtype, select)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("seed, dtype", MIXED + [(seed, "bf16") for seed in (2, 3, 7, 8, 11)])
+def test_random_program_in_eager_and_compiled_parts_gives_the_same_gradients_on_cuda(seed, dtype):
+    """Programs in parts on CUDA: eager parts store through the Triton codec and the arena's
+    streams, compiled parts through inductor's calls of the same ops."""
+    with deterministic_kernels():
+        check_program_in_parts(seed, "cuda", dtype)
