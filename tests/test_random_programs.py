@@ -6,17 +6,18 @@ and what hides it (in-place ops, on views too; casts; checkpointing), squares an
 (recomputed at backward), views and slices of stored tensors (shared), and ops it never
 stores. The loss sums every tensor made, so backward unpacks everything autograd saved. Three
 steps under BitSparse follow one without it, so that the arena is measured, used, and reused.
+Each program runs in float32, bfloat16 and float16.
 
 In-place ops modify fresh clones only: a saved tensor modified in place is the subject of
 ``test_hooks.py``'s version tests (autograd raises; a compressed tensor restores the saved
 values), not of a comparison of gradients.
 
-On CUDA (``-m gpu``) the same programs run in float32 and bfloat16 through the Triton codec
-and the arena's streams, and the last step under ``torch.cuda.set_sync_debug_mode("error")``
-wherever the program's own ops run under it without BitSparse. A few of them, and those that
-once differed, also run compiled whole, on the CPU and on CUDA, against the same compiled
-program without BitSparse, and a few cut into parts that run eagerly or compiled each on its
-own (on both), whose compiled parts save what eager parts made and the other way round.
+On CUDA (``-m gpu``) the same programs run through the Triton codec and the arena's streams,
+and the last step under ``torch.cuda.set_sync_debug_mode("error")`` wherever the program's
+own ops run under it without BitSparse. A few of them, and those that once differed, also
+run compiled whole, on the CPU and on CUDA, against the same compiled program without
+BitSparse, and a few cut into parts that run eagerly or compiled each on its own (on both),
+whose compiled parts save what eager parts made and the other way round.
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ def fresh_session():
     yield
 
 
-DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 
 
 @DTYPES
