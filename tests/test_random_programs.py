@@ -400,7 +400,8 @@ def test_compiled_random_program_gradients_are_bit_identical_on_cuda(seed, dtype
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("seed, dtype", MIXED + [(seed, "bf16") for seed in (2, 3, 7, 8, 11)])
 def test_random_program_in_eager_and_compiled_parts_gives_the_same_gradients_on_cuda(seed, dtype):
-    """Programs in parts on CUDA: eager parts store through the Triton codec and the arena's
-    streams, compiled parts through inductor's calls of the same ops."""
+    """Programs in parts on CUDA (those of the CPU and five more that store): eager parts
+    store through the Triton codec and the arena's streams, compiled parts through inductor's
+    calls of the same ops."""
     with deterministic_kernels():
         check_program_in_parts(seed, "cuda", dtype)
