@@ -228,7 +228,10 @@ def fresh_session():
     yield
 
 
-DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+DTYPE_NAMED = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The dtypes the programs run in, by the names that test ids and the cases below use."""
+
+DTYPES = pytest.mark.parametrize("dtype", list(DTYPE_NAMED.values()), ids=list(DTYPE_NAMED))
 
 
 @DTYPES
@@ -278,9 +281,6 @@ def test_random_program_gradients_are_bit_identical_on_cuda(seed, dtype):
         no_sync = _dense_runs_without_sync(program, *inputs(seed, "cuda", dtype), seed)
         check_program(seed, "cuda", dtype, no_sync)
 
-
-DTYPE_NAMED = {"fp32": torch.float32, "bf16": torch.bfloat16}
-"""The dtypes that the cases below name."""
 
 FOUND_COMPILED = [(53, "bf16"), (56, "bf16"), (58, "bf16"), (65, "bf16"), (87, "bf16"), (122, "bf16"), (136, "bf16")]
 FOUND_COMPILED += [(226, "fp32"), (160, "fp32")]
