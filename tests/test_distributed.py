@@ -1,8 +1,9 @@
-"""BitSparse in several processes: DDP and FSDP2 on gloo with two ranks, and the torchrun entry points.
+"""BitSparse in several processes: DDP and FSDP2 with two ranks, and the torchrun entry points.
 
 Two spawned processes train the pre-norm ReLU^2 transformer of ``test_hooks`` for three optimizer
 steps on data of their own, wrapped in DDP or sharded with FSDP2 (``fully_shard`` per block, then
-the root), without BitSparse, under ``compressing()`` and under ``enable()``; the parent checks
+the root), without BitSparse, under ``compressing()`` and under ``enable()``, on the CPU over
+gloo and, where two GPUs are (``-m gpu``), each on its own GPU over NCCL; the parent checks
 that gradients and weights are bit-identical on every rank, that each rank's ``stats()`` counts
 its own forward's tensors only, and that no compressed tensor outlives backward. One spawn runs
 every case (a spawn costs seconds of imports); a failing rank fails the tests with its traceback.
@@ -30,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 import bitsparse
 from bitsparse.bench.distributed import DEFAULT_MODES, leaving_process_group
+from bitsparse.bench.training import deterministic_kernels
 
 fully_shard = pytest.importorskip("torch.distributed.fsdp").fully_shard
 
@@ -39,6 +41,17 @@ STEPS = 3
 WRAPPERS = ("ddp", "fsdp2")
 HOOKS = ("compressing", "enable")
 CASES = [(wrapper, hooks) for wrapper in WRAPPERS for hooks in HOOKS]
+BACKENDS = [
+    "gloo",
+    pytest.param(
+        "nccl",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(torch.cuda.device_count() < WORLD_SIZE, reason=f"needs {WORLD_SIZE} CUDA devices"),
+        ],
+    ),
+]
+"""gloo: the ranks on the CPU; NCCL: rank ``r`` on CUDA device ``r``."""
 SPAWN_TIMEOUT_S = 120
 """Bounds a hung collective: the ranks are killed and the tests fail."""
 TORCHRUN_TIMEOUT_S = 180
@@ -66,22 +79,24 @@ def wrap(model: torch.nn.Module, wrapper: str) -> torch.nn.Module:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """A copy of this rank's part of ``t`` (its shard, for an FSDP2 parameter or gradient)."""
-    return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+    """A copy in host memory of this rank's part of ``t`` (its shard, for an FSDP2 parameter
+    or gradient)."""
+    return (t.to_local() if isinstance(t, DTensor) else t).detach().to("cpu", copy=True)
 
 
-def train(wrapper: str, hooks: str | None, rank: int) -> dict:
-    """Train ``STEPS`` steps of the wrapped transformer on this rank's data, with ``hooks``
-    ("compressing", "enable" or None for none); what each step produced, and BitSparse's
-    statistics and live tensors after each backward and at the end."""
-    model = wrap(transformer(), wrapper)  # the same initial weights on every rank
+def train(wrapper: str, hooks: str | None, rank: int, device: torch.device) -> dict:
+    """Train ``STEPS`` steps of the wrapped transformer on ``device`` on this rank's data, with
+    ``hooks`` ("compressing", "enable" or None for none); what each step produced, and
+    BitSparse's statistics and live tensors after each backward and at the end."""
+    model = wrap(transformer().to(device), wrapper)  # the same initial weights on every rank
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     run = {"grads": [], "stats": []}
     if hooks == "enable":
         bitsparse.enable(**OPTIONS)
     try:
         for step in range(STEPS):
-            x = sequence_input(seed=1 + WORLD_SIZE * step + rank)  # every rank and step its own data
+            # Every rank and step its own data.
+            x = sequence_input(seed=1 + WORLD_SIZE * step + rank).detach().to(device).requires_grad_()
             optimizer.zero_grad(set_to_none=True)
             with bitsparse.compressing(**OPTIONS) if hooks == "compressing" else contextlib.nullcontext():
                 out = model(x)
@@ -98,26 +113,34 @@ def train(wrapper: str, hooks: str | None, rank: int) -> dict:
     return run
 
 
-def run_rank(rank: int, store_path: str, out_dir: str) -> None:
-    """One rank of the spawned group: every case, saved to ``out_dir/rank<rank>.pt``."""
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD_SIZE), rank=rank, world_size=WORLD_SIZE)
-    with leaving_process_group():
+def run_rank(rank: int, backend: str, store_path: str, out_dir: str) -> None:
+    """One rank of the spawned group on ``backend`` (see ``BACKENDS``): every case, saved to
+    ``out_dir/rank<rank>.pt``."""
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    store = dist.FileStore(store_path, WORLD_SIZE)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=WORLD_SIZE, device_id=device if backend == "nccl" else None
+    )
+    with leaving_process_group(), deterministic_kernels():
         runs = {}
         for wrapper in WRAPPERS:
-            runs[wrapper, None] = train(wrapper, None, rank)
+            runs[wrapper, None] = train(wrapper, None, rank, device)
             for hooks in HOOKS:
-                runs[wrapper, hooks] = train(wrapper, hooks, rank)
+                runs[wrapper, hooks] = train(wrapper, hooks, rank, device)
         torch.save(runs, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def spawn_ranks(tmp: Path) -> list[dict]:
-    """Run ``run_rank`` in ``WORLD_SIZE`` spawned processes; each rank's runs.
+def spawn_ranks(backend: str, tmp: Path) -> list[dict]:
+    """Run ``run_rank`` on ``backend`` in ``WORLD_SIZE`` spawned processes; each rank's runs.
 
     Raises:
         torch.multiprocessing.ProcessRaisedException: a rank failed (its traceback is in the message).
         pytest.fail.Exception: the ranks ran past ``SPAWN_TIMEOUT_S`` (they are killed).
     """
-    context = mp.spawn(run_rank, args=(str(tmp / "store"), str(tmp)), nprocs=WORLD_SIZE, join=False)
+    context = mp.spawn(run_rank, args=(backend, str(tmp / "store"), str(tmp)), nprocs=WORLD_SIZE, join=False)
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not context.join(timeout=max(deadline - time.monotonic(), 0)):
         if time.monotonic() >= deadline:
@@ -127,9 +150,9 @@ def spawn_ranks(tmp: Path) -> list[dict]:
     return [torch.load(tmp / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    return spawn_ranks(tmp_path_factory.mktemp("ranks"))
+@pytest.fixture(scope="module", params=BACKENDS)
+def ranks(request, tmp_path_factory) -> list[dict]:
+    return spawn_ranks(request.param, tmp_path_factory.mktemp(f"ranks-{request.param}"))
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -202,8 +225,10 @@ releasing, while the interpreter exits, a collective that holds a Python object 
 ``leaving_process_group``, which makes this rare)."""
 
 
-def torchrun(*args: str, timeout: float = TORCHRUN_TIMEOUT_S) -> str:
-    """Run ``torchrun --standalone --nproc-per-node 2 ARGS`` from the repository root; its stdout.
+def torchrun(backend: str, *args: str, timeout: float = TORCHRUN_TIMEOUT_S) -> str:
+    """Run ``torchrun --standalone --nproc-per-node 2 ARGS`` from the repository root on
+    ``backend`` (see ``BACKENDS``: gloo hides the GPUs, as the programs take them where they
+    are); its stdout.
 
     A run that gloo's teardown aborted (``TEARDOWN_ABORT`` on stderr) runs once more: the abort is
     torch's, at exit, and a second one in a row fails the test like any other error.
@@ -212,9 +237,10 @@ def torchrun(*args: str, timeout: float = TORCHRUN_TIMEOUT_S) -> str:
         AssertionError: it exited with a non-zero status (its output is in the message).
     """
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD_SIZE}"]
+    env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if backend == "gloo" else {}))
     for _ in range(2):
         result = subprocess.run(
-            [*command, *args], check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+            [*command, *args], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
         )
         if result.returncode == 0 or TEARDOWN_ABORT not in result.stderr:
             break
@@ -222,18 +248,21 @@ def torchrun(*args: str, timeout: float = TORCHRUN_TIMEOUT_S) -> str:
     return result.stdout
 
 
-def test_train_gpt_example_with_ddp():
-    out = torchrun("examples/train_gpt.py", "--ddp", "--config", "tiny", "--steps", "2")
-    assert f"on {WORLD_SIZE} processes (DDP, gloo)" in out
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_train_gpt_example_with_ddp(backend):
+    out = torchrun(backend, "examples/train_gpt.py", "--ddp", "--config", "tiny", "--steps", "2")
+    assert f"on {WORLD_SIZE} processes (DDP, {backend})" in out
     # Printed by rank 0 only, once.
     assert out.count("gradients: identical with and without BitSparse (bit for bit)") == 1
     assert out.count("saved tensors compressed") == 2  # each step's statistics line
     assert out.count("done: loss") == 1
 
 
-def test_distributed_bench_quick(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_distributed_bench_quick(backend, tmp_path):
     out = torchrun(
-        "-m", "bitsparse.bench", "distributed", "--quick", "--repeats", "2", "--warmup", "1", "--out", str(tmp_path)
+        backend,
+        *("-m", "bitsparse.bench", "distributed", "--quick", "--repeats", "2", "--warmup", "1", "--out", str(tmp_path)),
     )
     with open(tmp_path / "distributed.csv", newline="") as f:
         rows = list(csv.DictReader(f))
