@@ -499,8 +499,10 @@ class Session:
                 f"that are still alive ({self._live} of them), so it could not be reused for this step. A graph is "
                 "kept without its backward: an evaluation forward run with gradients enabled whose output is "
                 "still referenced, or forwards and backwards interleaved (pipeline schedules, several threads "
-                "training at once). Run evaluation "
-                "under torch.no_grad() or drop its output; gradients stay exact either way.",
+                "training at once). Gradients stay exact, but the arena's memory is not reused until every tensor "
+                "in it is released, so under a pipeline schedule a step can hold more than it would without "
+                "BitSparse. Run evaluation under torch.no_grad() or drop its output, and leave compressing() and "
+                "enable() out of pipeline stages.",
                 RuntimeWarning,
                 stacklevel=5,  # the user's line that saved the tensor, when a pack falls back
             )
