@@ -7,10 +7,10 @@ BitSparse, eager and compiled block by block, and a step between two GPUs waits 
 
 import pytest
 import torch
+from test_gpu_compile import fresh, grads  # noqa: F401 (fresh: autouse fixture)
 from test_gpu_hooks import step_without_host_synchronization
 
 import bitsparse
-from bitsparse.bench.training import deterministic_kernels
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,16 +25,6 @@ SPLITS = {
 }
 BLOCKS_PER_DEVICE = 2
 STEPS = 3
-
-
-@pytest.fixture(autouse=True)
-def fresh():
-    torch._dynamo.reset()
-    bitsparse.reset()
-    with deterministic_kernels():
-        yield
-    bitsparse.disable()
-    torch._dynamo.reset()
 
 
 class SplitMLP(torch.nn.Module):
@@ -68,25 +58,17 @@ def split_case(devices, compiled: bool):
     return model, lambda: model(x)
 
 
-def step(model, loss_fn, context):
-    model.zero_grad(set_to_none=True)
-    with context:
-        loss = loss_fn()
-    loss.backward()
-    return [p.grad.clone() for p in model.parameters()]
-
-
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("devices", SPLITS.values(), ids=SPLITS.keys())
 def test_a_model_split_over_devices_keeps_its_gradients(devices, compiled):
     model, loss_fn = split_case(devices, compiled)
-    reference = step(model, loss_fn, torch.enable_grad())
-    assert all(torch.equal(a, b) for a, b in zip(reference, step(model, loss_fn, torch.enable_grad()))), (
+    reference = grads(model, loss_fn, torch.enable_grad())
+    assert all(torch.equal(a, b) for a, b in zip(reference, grads(model, loss_fn, torch.enable_grad()))), (
         "dense runs disagree: a nondeterministic kernel, not BitSparse"
     )
     for _ in range(STEPS):  # the first step measures, the next ones store
-        grads = step(model, loss_fn, bitsparse.compressing())
-        assert all(torch.equal(a, b) for a, b in zip(reference, grads))
+        got = grads(model, loss_fn, bitsparse.compressing())
+        assert all(torch.equal(a, b) for a, b in zip(reference, got))
     stats = bitsparse.stats()
     assert stats.tensors_compressed == len(model.blocks), str(stats)
     assert stats.fallbacks == {}, str(stats)
@@ -98,6 +80,6 @@ def test_a_model_split_over_devices_keeps_its_gradients(devices, compiled):
 def test_a_step_over_two_gpus_has_no_host_synchronization(compiled):
     model, loss_fn = split_case(("cuda:0", "cuda:1"), compiled)
     for _ in range(STEPS):
-        step(model, loss_fn, bitsparse.compressing(min_numel=1024))
+        grads(model, loss_fn, bitsparse.compressing(min_numel=1024))
     step_without_host_synchronization(loss_fn)
     assert bitsparse.stats().tensors_compressed == len(model.blocks)
