@@ -632,8 +632,8 @@ PIPELINE_HIDDEN = 512
 
 
 def pipeline_stage(zeros: float):
-    """A ReLU^2 MLP stack (one ReLU output of ``PIPELINE_HIDDEN`` x 256 float32 saved per
-    layer) whose pre-activations are ``zeros`` zeros, and its 8 microbatches."""
+    """A ReLU^2 MLP stack (one ReLU output of 256 rows x ``PIPELINE_HIDDEN`` float32 saved
+    per layer) whose pre-activations are ``zeros`` zeros, and its 8 microbatches."""
     from bitsparse.bench.models import MLPStack, shift_to_sparsity
 
     torch.manual_seed(0)
@@ -649,7 +649,7 @@ def run_pipeline(model, inputs, schedule, compressed: bool) -> tuple[list[torch.
     a forward, over the most they take dense (the layers' ReLU outputs are the only tensors
     it stores, all of one size)."""
     model.zero_grad(set_to_none=True)
-    relu_output_bytes = 256 * PIPELINE_HIDDEN * 4
+    relu_output_bytes = inputs[0].shape[0] * PIPELINE_HIDDEN * inputs[0].element_size()
     losses, kept_dense, most, most_dense = {}, {}, 0, 0
     step, fallbacks_before = None, 0
     for op, i in schedule:
