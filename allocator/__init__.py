@@ -1,10 +1,13 @@
-"""The arena allocator: one preallocated device buffer per device for compressed activations.
+"""The arena allocator: preallocated device buffers for compressed activations, one per device
+and step whose tensors are alive.
 
 It knows nothing of autograd: it hands out words at host-known positions (``reserve_fixed``),
 a device-side appendable region (``values``), asynchronous reports of how far appends went
-(``submit``/``poll``), and leases whose release ends a step.
+(``submit``/``poll``), and leases whose release lets a buffer serve another step; a pool
+(``ArenaPool``) gives overlapping steps buffers of their own.
 """
 
 from bitsparse.allocator.arena import Arena, ArenaUsage, Lease
+from bitsparse.allocator.pool import ArenaPool
 
-__all__ = ["Arena", "ArenaUsage", "Lease"]
+__all__ = ["Arena", "ArenaPool", "ArenaUsage", "Lease"]

@@ -50,15 +50,15 @@ an arena without one holds no device memory at all. It measures in host memory i
 once they have all arrived.
 
 Leases tie the arena's contents to their users: while any lease is open, ``begin_step``
-keeps them, and the new step appends after them; the plan that empties the arena next counts
-those steps' demand together (a generator's tensors kept alive through a discriminator's
-step, then both backwards, find room together). Otherwise it sizes both regions to the most
-that any of the last ``DEMAND_STEPS`` steps needed (plus headroom), so that steps of
-different sizes in turn (a longer batch every other step, two models trained by turns) each
-find room, and empties them. The device part never exceeds what the stored tensors of the
-smallest of those steps take dense: a step like any of them then holds less with the arena
-than it would hold without it. The arena starts empty unless given a capacity: a first step
-only measures (in host memory), and the next one has room for what the first needed.
+keeps them (and only notes the step's demand); a step that begins then is served by another
+arena (``bitsparse.allocator.pool``). Otherwise it sizes both regions to the most that any of
+the last ``DEMAND_STEPS`` steps it served needed (plus headroom), so that steps of different
+sizes in turn (a longer batch every other step, two models trained by turns) each find room,
+and empties them. The device part never exceeds what the stored tensors of the smallest of
+those steps take dense, nor a budget its caller gives: a step like any of them then holds
+less with the arena than it would hold without it. The arena starts empty unless given a
+capacity: a first step only measures (in host memory), and the next one has room for what
+the first needed.
 
 The arena knows nothing of autograd or of the format: it hands out words.
 """
@@ -133,16 +133,18 @@ class ArenaUsage:
 
 class Lease:
     """A claim on the arena's contents, opened by making it (``Arena.open_lease``); release
-    it when they are not needed, or drop it. A subclass may add what its owner counts.
+    it when they are not needed, or drop it. ``words`` is what its holder would take without
+    the arena (the dense size of what it stores), for ``Arena.excess_words``. A subclass may
+    add what its owner counts.
 
     The arena knows its leases by weak reference, not by a count: a count that an exception
     cut between two updates (Ctrl-C, anywhere) would be wrong for good, and a lease the
     arena missed would let it reuse memory that a compressed tensor still needs."""
 
-    __slots__ = ("_arena", "__weakref__")
+    __slots__ = ("_arena", "words", "__weakref__")
 
-    def __init__(self, arena: "Arena"):
-        self._arena = arena
+    def __init__(self, arena: "Arena", words: int = 0):
+        self._arena, self.words = arena, words
         arena._lease_refs.append(weakref.ref(self))
 
     def release(self) -> None:
@@ -220,15 +222,8 @@ class Arena:
         self._expected_dense_words = 0
         """What the step's tensors are expected to take dense (see ``begin_step``)."""
         self._demands: collections.deque = collections.deque(maxlen=DEMAND_STEPS)
-        """(fixed, value, most value) words each recent step that stored anything asked for
-        (or the steps that filled the arena together, added up: see ``begin_step``), and the
-        dense words of its tensors (None: not known), newest last."""
-        self._carried: tuple | None = None
-        """The demand of the steps that began while a lease was open, added up, since the
-        arena was last emptied (None: none such)."""
-        self.kept_steps = 0
-        """The steps in a row that began while a lease was open (``begin_step`` kept the
-        arena's contents)."""
+        """(fixed, value, most value) words each recent step that stored anything asked for,
+        and the dense words of its tensors (None: not known), newest last."""
         self._asynchronous = self._cuda if asynchronous is None else asynchronous
         self.spill = spill
         self._spill_refused = False
@@ -637,9 +632,10 @@ class Arena:
 
     # -- life cycle -----------------------------------------------------------------------
 
-    def open_lease(self) -> Lease:
-        """Claim the arena's contents: ``begin_step`` keeps them until the lease is released."""
-        return Lease(self)
+    def open_lease(self, words: int = 0) -> Lease:
+        """Claim the arena's contents, for a holder that would take ``words`` without the
+        arena: ``begin_step`` keeps them until the lease is released."""
+        return Lease(self, words)
 
     @property
     def open_leases(self) -> int:
@@ -658,52 +654,51 @@ class Arena:
         value_words: int | None,
         dense_words: int | None = None,
         most_value_words: int = 0,
+        *,
+        expected_words: int | None = None,
+        budget_words: int | None = None,
     ) -> bool:
-        """Empty the arena for a new step, unless a lease is open; return whether it did. The
-        last step needed ``fixed_words`` and ``value_words`` (None when it asked nothing of
-        the arena, which says nothing of the next) for tensors that take ``dense_words`` dense
-        (None: not known) and whose values could take ``most_value_words`` at most. Where a
-        lease is open, that step's demand is carried over and added to that of the step
-        that empties the arena next (``kept_steps`` counts such steps in a row): all of them
-        filled one buffer.
+        """Note the demand of the last step this arena served and empty it for a new step,
+        unless a lease is open; return whether it did. That step needed ``fixed_words`` and
+        ``value_words`` (None when it asked nothing of the arena, which says nothing of the
+        next) for tensors that take ``dense_words`` dense (None: not known) and whose values
+        could take ``most_value_words`` at most.
 
-        Before emptying, it delivers the last step's reports and, if ``growable`` and the
-        demand is known, plans each region at the most that any of the last ``DEMAND_STEPS``
-        steps that stored anything asked of it, times ``HEADROOM``, when that is above
-        ``GROW_WHEN_ABOVE`` of its size or under half of it. Both device regions together
-        take at most the fewest dense words of those steps and of the last one, less what
-        comes with a buffer (``_words_beside_regions``): where they would take more, that
-        smallest step keeps room for its own demand, and the regions share the rest as the
-        plan does (see ``_within_dense``); no buffer after a step that stored nothing. The
-        spill region's demand is the most value words less the value region's device part,
-        capped at this device's share of ``SPILL_SHARE_OF_HOST`` of the host's available
-        memory. A region that changes is released now and allocated again at the first
-        ``reserve_fixed``. The step's hold allowance is ``dense_words`` less the arena's
-        device memory.
+        Before emptying, it delivers the last step's reports and, if ``growable`` and any
+        recent step stored anything, plans each region at the most that any of the last
+        ``DEMAND_STEPS`` steps that stored anything asked of it, times ``HEADROOM``, when that
+        is above ``GROW_WHEN_ABOVE`` of its size or under half of it. Given
+        ``expected_words``, the dense words the new step is expected to take, a step that took
+        more counts as scaled down to it: the warmup of a pipeline schedule (several forwards
+        in one step) is not like the steps after it. Both device
+        regions together take at most the fewest dense words of those steps and of the last
+        one, and ``budget_words`` (None: no budget), less what comes with a buffer
+        (``_words_beside_regions``): where they would take more, that smallest step keeps room
+        for its own demand, and the regions share the rest as the plan does (see
+        ``_within_dense``); no buffer after a step that stored nothing. The spill region's
+        demand is the most value words less the value region's device part, capped at this
+        device's share of ``SPILL_SHARE_OF_HOST`` of the host's available memory. A region
+        that changes is released now and allocated again at the first ``reserve_fixed``.
+        The step's hold allowance is the least of ``dense_words`` and the budget, less the
+        arena's device memory.
         """
         demand = (fixed_words, value_words, most_value_words, dense_words)
+        if self.growable and fixed_words:
+            self._demands.append(demand)
         if self.leased:
-            # The step's appends go on after what the live tensors hold, in the same buffer:
-            # the plan that empties it counts the steps since it last did together.
-            self._carried = _added(self._carried, demand)
-            self.kept_steps += 1
             return False
-        if self._carried is not None:
-            demand, self._carried = _added(self._carried, demand), None
-            fixed_words, value_words, most_value_words, dense_words = demand
-        self.kept_steps = 0
         self.drain()
-        self._expected_dense_words = dense_words or 0
+        self._expected_dense_words = min((w for w in (dense_words, budget_words) if w is not None), default=0)
         # Every append of the last step (measured ones too) may need a start word in this one.
         if self._appends > self._wanted_start_slots:
             self._wanted_start_slots = math.ceil(self._appends * HEADROOM)
-        if self.growable and fixed_words is not None:
-            if fixed_words:
-                self._demands.append(demand)
-            steps = self._demands if fixed_words else (*self._demands, demand)
+        steps = self._demands if fixed_words or fixed_words is None else (*self._demands, demand)
+        if self.growable and steps:
+            if expected_words is not None:
+                steps = [_scaled(step, expected_words) for step in steps]
             most = [max(step[i] for step in steps) for i in range(3)]  # fixed, value, most value words
             known = [step for step in steps if step[3] is not None]
-            self._plan(*most, min(known, key=lambda step: step[3], default=None))
+            self._plan(*most, min(known, key=lambda step: step[3], default=None), budget_words)
         self._update_hold_allowance()
         if self._buffer is not None:
             if len(self._start_slots) < self._wanted_start_slots:
@@ -711,6 +706,31 @@ class Arena:
             self.cursor.zero_()
         self._empty()
         return True
+
+    def plan_like(self, other: "Arena") -> None:
+        """Plan from ``other``'s demand history (the steps it served), for steps like those."""
+        self._demands = collections.deque(other._demands, maxlen=DEMAND_STEPS)
+        self._wanted_start_slots = other._wanted_start_slots
+
+    def release_buffer(self) -> None:
+        """Let the buffer go (an arena no step needs now): it is made again as planned at
+        the next ``reserve_fixed``. Only while no lease is open.
+
+        Raises:
+            RuntimeError: a lease is open.
+        """
+        plan = self._planned or self._requested
+        self._allocate(0, 0)
+        if plan[0]:
+            self._planned = plan
+
+    @property
+    def excess_words(self) -> int:
+        """The device memory (in words) the arena holds beyond what the holders of its open
+        leases would take without it (see ``Lease``): what a caller that bounds several
+        arenas' memory by their tensors' dense size counts against the others."""
+        leased = sum(lease.words for ref in self._lease_refs if (lease := ref()) is not None and lease.is_open)
+        return max(0, self.reserved_bytes // WORD_BYTES - leased)
 
     def _empty(self) -> None:
         """Start the step's accounting afresh (nothing is pending): what an exception (Ctrl-C)
@@ -755,10 +775,17 @@ class Arena:
         fixed, values, _ = self._planned or (self._fixed_capacity, self._device_value_words, 0)
         self._hold_allowance = max(0, self._expected_dense_words - fixed - values)
 
-    def _plan(self, fixed_demand: int, values_demand: int, most_value_words: int, smallest: tuple | None) -> None:
+    def _plan(
+        self,
+        fixed_demand: int,
+        values_demand: int,
+        most_value_words: int,
+        smallest: tuple | None,
+        budget_words: int | None = None,
+    ) -> None:
         """Plan the regions for a step's demand (in words), where it differs enough, the
         device regions within the dense words of ``smallest``, a step's demand (see
-        ``begin_step``; None: not known)."""
+        ``begin_step``; None: not known), and within ``budget_words`` (None: none)."""
 
         def planned(current: int, demand: int) -> int:
             if demand > GROW_WHEN_ABOVE * current or demand * 2 < current:
@@ -767,11 +794,13 @@ class Arena:
 
         current = self._planned or self._requested
         fixed, values = planned(current[0], fixed_demand), planned(current[1], values_demand)
-        if smallest is not None:
+        rooms = [words for words in (smallest and smallest[3], budget_words) if words is not None]
+        if rooms:
             # The rest of what the arena allocates with its buffer counts too.
-            room = max(0, smallest[3] - self._words_beside_regions())
+            room = max(0, min(rooms) - self._words_beside_regions())
             if fixed + values > room:
-                fixed, values = _within_dense(fixed, values, (*smallest[:3], room))
+                own = smallest[:3] if smallest is not None else (fixed, values, 0)
+                fixed, values = _within_dense(fixed, values, (*own, room))
         if not fixed:  # no buffer: the step stores nothing
             values = 0
         spill = 0
@@ -796,17 +825,13 @@ class Arena:
         return (ALLOCATOR_BLOCK + start_bytes + 2 * ALLOCATOR_BLOCK) // WORD_BYTES
 
 
-def _added(earlier: tuple | None, later: tuple) -> tuple:
-    """The demands (fixed, value, most value and dense words; see ``Arena.begin_step``) of
-    two steps that filled the arena together: a step that asked nothing (fixed words None)
-    adds nothing, and the dense words are not known where either step's are not."""
-    if earlier is None or earlier[0] is None:
-        return later
-    if later[0] is None:
-        return earlier
-    fixed, values, most = (a + b for a, b in zip(earlier[:3], later[:3]))
-    dense = None if earlier[3] is None or later[3] is None else earlier[3] + later[3]
-    return fixed, values, most, dense
+def _scaled(step: tuple, dense_words: int) -> tuple:
+    """A step's demand (see ``Arena.begin_step``) scaled down in proportion to what a step of
+    ``dense_words`` dense words would ask, where it took more."""
+    if step[3] is None or step[3] <= dense_words:
+        return step
+    scale = dense_words / step[3]
+    return (*(math.ceil(words * scale) for words in step[:3]), dense_words)
 
 
 def _within_dense(fixed: int, values: int, smallest: tuple) -> tuple[int, int]:

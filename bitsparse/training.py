@@ -4,8 +4,9 @@
 until ``disable()``. Both install a ``torch.autograd.graph.saved_tensors_hooks`` pair whose
 pack hook reads from each saved tensor's ``grad_fn`` whether a ReLU-family op produced it, and
 which ``torch.compile`` inlines into compiled graphs (``bitsparse.hooks.compiled``).
-Tensors are compressed into one arena per device, restored bit for bit in backward, and the
-arena is reused as soon as the step's graph is freed.
+Tensors are compressed into an arena of their device, restored bit for bit in backward, and
+the arena is reused as soon as the step's graph is freed (steps that overlap, as in pipeline
+schedules, are each served by an arena of their own).
 """
 
 from __future__ import annotations

@@ -125,8 +125,7 @@ class Site:
         self.dense_words = -(-self.dense_bytes // 4)
         self.order = memory_order(t)
         self.codec, self.sign_pack = codec, sign_pack
-        self.arena = self.arena_options = None
-        """The arena the session stores this site's tensors in, and the options it is for."""
+        # ``arena``: the arena the session stores this site's tensors in, for ``arena_options``.
         self.forget_buffer()
         self.kept: str | None = None
         """Why the site's tensors are kept as they are (a reason of ``Stats.tensors_skipped``),
@@ -159,7 +158,9 @@ class Site:
         self.values, self.encode, self.decode = values, encode, decode
 
     def forget_buffer(self) -> None:
+        """Drop the prepared codec and the arena (another may serve the next tensors)."""
         self.values = self.encode = self.decode = None
+        self.arena = self.arena_options = None
 
     def in_memory_order(self, t: torch.Tensor) -> torch.Tensor:
         """``t``, of the site's shape and strides, with its dims in memory order: contiguous,

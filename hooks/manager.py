@@ -1,10 +1,11 @@
 """The pack and unpack hooks: which saved tensors to compress, and where they go.
 
-``Session`` holds what outlives one forward pass: an arena per device, the marked tensors,
+``Session`` holds what outlives one forward pass: each device's arenas, the marked tensors,
 the tables of stored tensors (to store each once), what was learned about save sites and
 the statistics of the step. A step begins at the first pack after a backward (any unpack;
 not one that saved tensors for a double backward, see ``_step_over``), or after every
-compressed tensor of the last step was released; the arenas are emptied then, if nothing they hold is still alive.
+compressed tensor of the last step was released; each device's pool then serves it with an
+emptied arena, one that nothing alive is stored in (``bitsparse.allocator.pool``).
 The hooks only call the codec API; they know nothing of the kernels' insides.
 """
 
@@ -19,7 +20,7 @@ from collections import defaultdict
 import psutil
 import torch
 
-from bitsparse.allocator import Arena, Lease
+from bitsparse.allocator import Arena, ArenaPool, Lease
 from bitsparse.codecs import get_codec
 from bitsparse.format import TileGeometry
 from bitsparse.hooks.exactness import ExactnessChecks
@@ -63,9 +64,12 @@ class Session:
     def __init__(self):
         self.marks = Marks()
         self._lock = threading.RLock()
-        self._arenas: dict[torch.device, Arena] = {}
+        self._pools: dict[torch.device, ArenaPool] = {}
+        """Each device's arenas, one per step whose compressed tensors are alive."""
+        self._arenas: list[Arena] = []
+        """Every arena of every pool, for the hooks' loops (updated as pools change)."""
         self._capacities: dict[torch.device, object] = {}
-        """The ``capacity`` option each arena was last sized for."""
+        """The ``capacity`` option each device's arena was last sized for."""
         self._geometry = TileGeometry()
         self._live = 0
         """Compressed tensors autograd holds (their arena leases), of any step."""
@@ -76,16 +80,15 @@ class Session:
         """The backward (its graph task) that saved tensors for a backward of its own, while
         it is the last one that unpacked: the forward that goes on after it (a gradient
         penalty) belongs to the same step (see ``_step_over``)."""
-        self._stale_arenas = False
-        """Whether an arena could not be emptied at this step's start nor at the last one's
-        (tensors of earlier steps are alive), so tensors may fall back that would otherwise
-        fit: a graph held longer than one more step, which the arena's plan does not follow."""
-        self._warned_stale = False
         self._idle_steps: int | None = 0
         """Steps whose saved tensors had none to compress, while no step has had one and the
         session has not said so (then None: ``_note_idle``)."""
         self._stored = SpanIndex()
         """The step's stored tensors by span, to store a storage saved again only once."""
+        self._handles: list[tuple[weakref.ref, torch.device, int]] = []
+        """The handles ``_store`` made (compressed or kept dense) and alive at the step's
+        start, or made since: a reference, the device and the dense words of each. A step's
+        start finds from them what the tensors released since the last one took dense."""
         # id(saved tensor) -> slot ref: the tensors packed this step (the slot watches the
         # tensor it was made for, see Handle.watch).
         self._packed: dict[int, weakref.ref] = {}
@@ -399,11 +402,13 @@ class Session:
     def _arena(self, device: torch.device, options: Options) -> Arena:
         """The device's arena, resized when the options ask for another capacity (only
         while nothing it holds is alive) and set to their window and spill."""
-        arena = self._arenas.get(device)
-        if arena is None:
-            arena = self._arenas[device] = Arena(device, window=options.window, spill=options.host_spill)
+        pool = self._pools.get(device)
+        if pool is None:
+            pool = self._pools[device] = ArenaPool(device, window=options.window, spill=options.host_spill)
+            self._arenas = self._arenas + pool.arenas
+        arena = pool.current
         if not arena.leased:
-            arena.window, arena.spill = options.window, options.host_spill
+            arena.window, arena.spill = options.window, options.host_spill and arena is pool.primary
             if self._capacities.get(device) != options.capacity:
                 self._capacities[device] = options.capacity
                 if options.capacity != "auto":
@@ -438,7 +443,7 @@ class Session:
             site.prepare(arena.values, self._geometry, report is not None)
         base = arena.next_start()
         site.encode(x, fixed, base, collector.nonzeros_counter(arena), report, square)
-        handle = StoredTensor(t, site, fixed, base, _Lease(self, arena), held=not sure)
+        handle = StoredTensor(t, site, fixed, base, _Lease(self, arena, site.dense_words), held=not sure)
         # A held tensor's dense copy goes when the arena confirms that its values fit.
         if not sure:
             collector.holds = True
@@ -449,6 +454,7 @@ class Session:
             # memory of another stream is then handed out only after the encoder.
             t.record_stream(arena.stream)
         collector.leased = True
+        self._handles.append((weakref.ref(handle), site.device, site.dense_words))
         return handle
 
     def _measure(self, arena: Arena, site: Site, x: torch.Tensor, square: torch.Tensor | None) -> None:
@@ -472,9 +478,9 @@ class Session:
         collector.fallbacks[reason] += 1
         collector.stats.dense_bytes += site.dense_bytes
         collector.stats.stored_bytes += site.dense_bytes
-        if reason == "arena_full":
-            self._warn_if_stale()
-        return StoredTensor(t, site)
+        handle = StoredTensor(t, site)
+        self._handles.append((weakref.ref(handle), site.device, site.dense_words))
+        return handle
 
     def _square_alone(self, site: Site, t: torch.Tensor, square: torch.Tensor | None) -> None:
         """Write ``square`` (if any) for ``t``, kept as it is, as storing it would have: the
@@ -490,22 +496,6 @@ class Session:
                 self._discarded_words[t.device] = discarded
             x, square = site.in_memory_order(t), site.in_memory_order(square)
             site.codec.measure_tiles(x, discarded[:tiles], site.spec, self._geometry, site.sign_pack, square)
-
-    def _warn_if_stale(self) -> None:
-        if self._stale_arenas and not self._warned_stale:
-            self._warned_stale = True
-            warnings.warn(
-                f"BitSparse kept tensors dense because its arena is full of compressed tensors of an earlier step "
-                f"that are still alive ({self._live} of them), so it could not be reused for this step. A graph is "
-                "kept without its backward: an evaluation forward run with gradients enabled whose output is "
-                "still referenced, or forwards and backwards interleaved (pipeline schedules, several threads "
-                "training at once). Gradients stay exact, but the arena's memory is not reused until every tensor "
-                "in it is released, so under a pipeline schedule a step can hold more than it would without "
-                "BitSparse. Run evaluation under torch.no_grad() or drop its output, and leave compressing() and "
-                "enable() out of pipeline stages.",
-                RuntimeWarning,
-                stacklevel=5,  # the user's line that saved the tensor, when a pack falls back
-            )
 
     def _recompute(self, t: torch.Tensor) -> Handle | None:
         """A handle that restores ``t`` as the square of a stored tensor (``t`` may be a view
@@ -590,14 +580,14 @@ class Session:
     def _poll(self) -> None:
         """``poll`` with the lock held. The reports of tensors sure to fit wait for the backward
         (``_settle_for_reads``): the forward spends no time on them."""
-        for arena in self._arenas.values():
+        for arena in self._arenas:
             arena.poll(awaited_only=True)
 
     def _settle_for_reads(self) -> None:
         """Deliver the arenas' reports, and make what they hold safe to decode on the current
         stream (a tensor sure to fit may be unpacked before its encoder ran). The backward
         takes the reports that the forward left, so that the next step's start has few."""
-        for arena in self._arenas.values():
+        for arena in self._arenas:
             arena.poll()
             arena.order_reads()
 
@@ -629,14 +619,14 @@ class Session:
 
     def _begin_step(self) -> None:
         """Learn from the finished step which sites do not pay and what the others need, and
-        empty the arenas for the new step where nothing they hold is alive."""
+        give the new step an emptied arena on each device (see ``_serve_new_step``)."""
         finished = self._collector
         self._recount()
-        for arena in self._arenas.values():
+        for arena in self._arenas:
             arena.drain()  # the last step's reports: its encoders ran before its backward
         # An arena that no tensor of the step reached (a forward that saved nothing it would
         # store, or steps of several threads interleaved) keeps its size.
-        demand = dict.fromkeys(self._arenas.values(), (None, None, 0, 0))
+        demand = dict.fromkeys(self._arenas, (None, None, 0, 0))
         by_name: dict = {}  # several Site objects may share a name (strides, options)
         for site, (arena, dense_bytes, fixed_words, value_words, most_words) in self._collector.demand().items():
             totals = by_name.setdefault(site.name, [arena, 0, 0, 0, 0])
@@ -659,21 +649,36 @@ class Session:
         if learned:
             for site in self._sites.values():
                 site.learn(site.name in self._unprofitable)
-        self._stale_arenas = False
-        for arena, (fixed_words, value_words, dense_words, most_words) in demand.items():
-            values = arena.values
-            # A graph that outlives one step (a generator's, through a discriminator's step) is
-            # planned for; one held for longer is what the warning is about.
-            began = arena.begin_step(fixed_words, value_words, dense_words, most_words)
-            self._stale_arenas |= not began and arena.kept_steps > 1
-            if arena.values is not values:  # released: the sites must not keep it alive
-                self._forget_buffers()
+        self._serve_new_step(demand)
         self._step += 1
         self._collector = StepCollector(self._step)
         self._backward_seen = False
         self._double_backward_task = None
         self._forget_saved()
         self._note_idle(finished)  # last: a warning made an error leaves the step begun
+
+    def _serve_new_step(self, demand: dict) -> None:
+        """Begin each device's step in its pool with the finished step's ``demand`` (per
+        arena). Where tensors stored in an earlier step are still alive (forwards and
+        backwards interleaved, as in pipeline schedules, or a graph kept without backward),
+        the new step is expected to take what the tensors released since the last step began
+        took dense (a microbatch's forward after a microbatch's backward): its arena is
+        planned within that, less what the arenas of the live tensors hold beyond them, so
+        that no step holds more than it would without BitSparse. Otherwise the arena plans
+        from the steps it served alone."""
+        handles, freed, alive = [], defaultdict(int), set()
+        for entry in self._handles:
+            if entry[0]() is None:
+                freed[entry[1]] += entry[2]
+            else:
+                handles.append(entry)
+                alive.add(entry[1])
+        self._handles = handles
+        for device, pool in self._pools.items():
+            budget = freed[device] if device in alive else None
+            if pool.begin_step(demand[pool.current], budget):
+                self._forget_buffers()  # the sites must not keep a released buffer alive, nor serve an old arena
+        self._arenas = [arena for pool in self._pools.values() for arena in pool.arenas]
 
     def _note_idle(self, collector: StepCollector) -> None:
         """Warn, once, after ``IDLE_STEPS_BEFORE_WARNING`` steps whose saved tensors had none
@@ -699,14 +704,15 @@ class Session:
             )
 
     def _forget_buffers(self) -> None:
-        """Let the sites' prepared codecs go: an arena may change its buffer now."""
+        """Let the sites' prepared codecs and arenas go: an arena may change its buffer now,
+        or another arena serve the steps."""
         for site in self._sites.values():
             site.forget_buffer()
 
     def _recount(self) -> None:
         """Count the live tensors again from the arenas' leases, the truth, in case an
         exception (Ctrl-C) cut an update of the count short."""
-        self._live = sum(arena.open_leases for arena in self._arenas.values())
+        self._live = sum(pool.open_leases for pool in self._pools.values())
 
     def _released(self) -> None:
         """One compressed tensor fewer (called with the lock held)."""
@@ -722,8 +728,8 @@ class Session:
 
     def stats(self) -> Stats:
         with self._lock:
-            reserved = sum(arena.reserved_bytes for arena in self._arenas.values())
-            spill = sum(arena.spill_bytes for arena in self._arenas.values())
+            reserved = sum(pool.reserved_bytes for pool in self._pools.values())
+            spill = sum(pool.spill_bytes for pool in self._pools.values())
             return copy.deepcopy(self._collector.finish(self._live, reserved, spill))
 
     def reset(self) -> None:
@@ -739,9 +745,10 @@ class Session:
                     f"cannot reset BitSparse while {self._live} compressed tensors are alive: run backward "
                     "or drop the graphs that hold them first"
                 )
-            for arena in self._arenas.values():
+            for arena in self._arenas:
                 arena.drain()
-            self._arenas.clear()
+            self._pools.clear()
+            self._arenas, self._handles = [], []
             self._capacities.clear()
             self._sites.clear()
             self._unprofitable.clear()
@@ -751,7 +758,7 @@ class Session:
             self._forget_saved()
             self._step = 1
             self._collector = StepCollector(1)
-            self._backward_seen = self._stale_arenas = self._warned_stale = False
+            self._backward_seen = False
             self._idle_steps = 0
             self._double_backward_task = None
 
@@ -784,8 +791,8 @@ class _Lease(Lease):
 
     __slots__ = ("_session",)
 
-    def __init__(self, session: Session, arena: Arena):
-        super().__init__(arena)
+    def __init__(self, session: Session, arena: Arena, words: int):
+        super().__init__(arena, words)
         self._session, session._live = session, session._live + 1  # one statement: nothing cuts it
 
     def __del__(self):
@@ -803,8 +810,6 @@ def _confirmation(handle_ref, session: Session, arena: Arena):
 
     def confirm(start: int, end: int) -> None:
         fits = end <= arena.values_capacity_words
-        if not fits:
-            session._warn_if_stale()
         handle = handle_ref()
         if handle is not None:
             handle.confirm(fits)

@@ -18,7 +18,7 @@ import torch
 from helpers import assert_bitwise_equal, generator, make_input
 
 from bitsparse import TileGeometry, ValueBuffer, compress, decompress
-from bitsparse.allocator import Arena, ArenaUsage, Lease, mapped
+from bitsparse.allocator import Arena, ArenaPool, ArenaUsage, Lease, mapped
 from bitsparse.allocator.arena import (
     ALIGN_WORDS,
     DEMAND_STEPS,
@@ -524,30 +524,153 @@ def test_steps_of_two_sizes_in_turn_each_find_room():
     assert arena.fixed_capacity_words == math.ceil(HEADROOM * 12 * fixed_words(4096))
 
 
-def test_a_step_begun_while_leased_is_planned_with_the_step_before_it():
-    # A generator's tensors kept alive through a discriminator's step: the second step
-    # appends after the first's, and the plan that empties the arena counts both together,
-    # so that from then on both fit. Without that, the arena stays sized for one of them.
+def test_a_leased_arena_notes_the_step_it_served_and_plans_from_it_once_free():
+    # A generator's tensors kept alive through a discriminator's step: the arena keeps them,
+    # and the step's demand is noted; once released, the next plan counts it.
     arena = Arena("cpu")
-    first = [relu_like(4096, 0.9, i) for i in range(6)]
-    second = [relu_like(4096, 0.9, i) for i in range(6, 9)]
-    run_step(arena, first)
-    for round_ in range(2):
-        store = Store(arena)
-        compressed = [store(x) for x in first]
-        lease = arena.open_lease()  # the first step's tensors stay alive
-        first_demand = demand(arena)
-        assert not arena.begin_step(*first_demand, 6 * 4096) and arena.kept_steps == 1
-        compressed += [store(x) for x in second]
-        both = demand(arena)
-        if round_ == 1:
-            assert_all_fit_exactly(compressed, first + second)
-        else:
-            assert not all(c is not None and c.fits() for c in compressed)
-        lease.release()
-        second_demand = (both[0] - first_demand[0], both[1] - first_demand[1])
-        assert arena.begin_step(*second_demand, 3 * 4096) and arena.kept_steps == 0
-    assert arena.fixed_capacity_words == math.ceil(HEADROOM * 9 * fixed_words(4096))
+    tensors = [relu_like(4096, 0.9, i) for i in range(6)]
+    run_step(arena, tensors)  # measured: the plan has room for them
+    compressed = [Store(arena)(x) for x in tensors]
+    lease = arena.open_lease(6 * 4096)
+    served = demand(arena)
+    assert not arena.begin_step(*served, 6 * 4096)  # kept: nothing emptied
+    assert_all_fit_exactly(compressed, tensors)
+    lease.release()
+    assert arena.begin_step(None, None) and demand(arena) == (0, 0)
+    assert arena.fixed_capacity_words == math.ceil(HEADROOM * served[0])
+
+
+def test_a_step_expected_smaller_than_the_recent_ones_is_planned_as_they_scale_down():
+    # A pipeline's warmup (several forwards in one step) before steps of one forward each.
+    arena = Arena("cpu")
+    warmup = [relu_like(4096, 0.9, i) for i in range(8)]
+    run_step(arena, warmup)
+    one_forward = 2 * 4096  # dense words
+    assert arena.begin_step(None, None, expected_words=one_forward)
+    assert arena.fixed_capacity_words == 0  # planned, made at the first reserve
+    arena.reserve_fixed(1)
+    assert arena.fixed_capacity_words == math.ceil(HEADROOM * 2 * fixed_words(4096))
+    assert arena.capacity_bytes < 4 * one_forward
+
+
+def test_a_budget_bounds_both_device_regions():
+    arena = Arena("cpu")
+    tensors = [relu_like(4096, 0.5, i) for i in range(6)]
+    run_step(arena, tensors)
+    budget = 3 * 4096  # less than the six tensors take stored
+    assert arena.begin_step(None, None, budget_words=budget)
+    arena.reserve_fixed(1)
+    assert arena.capacity_bytes <= WORD_BYTES * budget and arena.reserved_bytes <= WORD_BYTES * budget
+    stored = [Store(arena)(x) for x in tensors]
+    fitted = [(c, x) for c, x in zip(stored, tensors) if c is not None and c.fits()]
+    assert 0 < len(fitted) < len(tensors)
+    assert_all_fit_exactly(*zip(*fitted))
+
+
+def test_the_excess_is_what_the_arena_holds_beyond_its_leases():
+    arena = Arena("cpu", 4096)
+    words = arena.reserved_bytes // WORD_BYTES
+    assert arena.excess_words == words
+    first, second = arena.open_lease(100), arena.open_lease(words)
+    assert arena.excess_words == 0
+    del second
+    assert arena.excess_words == words - 100
+    first.release()
+    assert arena.excess_words == words
+
+
+def test_a_released_buffer_is_made_again_as_planned():
+    arena = Arena("cpu")
+    tensors = [relu_like(4096, 0.9, i) for i in range(3)]
+    run_step(arena, tensors)
+    run_step(arena, tensors)
+    planned = (arena.fixed_capacity_words, arena.values_capacity_words)
+    lease = arena.open_lease()
+    with pytest.raises(RuntimeError, match="leased"):
+        arena.release_buffer()
+    lease.release()
+    arena.release_buffer()
+    assert arena.reserved_bytes == 0 and arena.values is None
+    assert_all_fit_exactly([Store(arena)(x) for x in tensors], tensors)
+    assert (arena.fixed_capacity_words, arena.values_capacity_words) == planned
+
+
+def test_an_arena_planned_like_another_has_room_for_its_steps():
+    first = Arena("cpu")
+    tensors = [relu_like(4096, 0.9, i) for i in range(4)]
+    run_step(first, tensors)
+    second = Arena("cpu")
+    second.plan_like(first)
+    assert second.begin_step(None, None)
+    assert_all_fit_exactly([Store(second)(x) for x in tensors], tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# The pool: an arena per step whose tensors are alive
+
+
+def store_step(pool: ArenaPool, tensors) -> tuple[list, list, tuple]:
+    """Store ``tensors`` in the pool's current arena as a step does: what it stored, a lease
+    per stored tensor (for its dense words) and the step's demand."""
+    arena = pool.current
+    store = Store(arena)
+    compressed = [store(x) for x in tensors]
+    leases = [arena.open_lease(x.numel()) for c, x in zip(compressed, tensors) if c is not None]
+    return compressed, leases, (*demand(arena), sum(x.numel() for x in tensors), 0)
+
+
+def test_a_step_begun_while_the_arena_is_leased_gets_an_arena_of_its_own():
+    # A 1F1B pipeline stage with two microbatches in flight: a microbatch's backward, then
+    # the next one's forward, while the microbatch before it waits for its backward.
+    pool = ArenaPool("cpu")
+    microbatches = [[relu_like(4096, 0.9, i, j) for j in range(3)] for i in range(6)]
+    one_forward = 3 * 4096
+    _, _, first = store_step(pool, microbatches[0])  # measured
+    pool.begin_step(first)
+    in_flight, served = [], []
+    for tensors in microbatches[1:]:
+        served.append(pool.current)
+        compressed, leases, step = store_step(pool, tensors)
+        assert_all_fit_exactly(compressed, tensors)
+        in_flight.append(leases)
+        if len(in_flight) == 2:
+            in_flight.pop(0)  # the backward of the microbatch before
+        pool.begin_step(step, one_forward)
+    # Two arenas by turns, the primary (the only one that may spill) whenever it is free.
+    assert served == [pool.primary, served[1]] * 2 + [pool.primary] and served[1] is not pool.primary
+    assert len(pool.arenas) == 2 and not pool.arenas[1].spill
+    assert pool.open_leases == 3 and pool.reserved_bytes == sum(arena.reserved_bytes for arena in pool.arenas)
+    # Together no more than the microbatches in flight take dense.
+    assert pool.reserved_bytes <= WORD_BYTES * 2 * one_forward
+
+
+def test_an_arena_no_step_needs_lets_its_buffer_go():
+    pool = ArenaPool("cpu")
+    tensors = [relu_like(4096, 0.9, i) for i in range(3)]
+    pool.begin_step(store_step(pool, tensors)[2])
+    _, held_first, step = store_step(pool, tensors)
+    pool.begin_step(step, 3 * 4096)
+    second = pool.current
+    _, held_second, step = store_step(pool, tensors)
+    assert second is not pool.primary and second.reserved_bytes > 0
+    del held_first, held_second
+    assert pool.begin_step(step)  # all free: the primary serves, the other lets its buffer go
+    assert pool.current is pool.primary and second.reserved_bytes == 0 and second.values is None
+
+
+def test_a_new_step_is_planned_within_the_expected_size_less_the_leased_arenas_excess():
+    pool = ArenaPool("cpu")
+    tensors = [relu_like(4096, 0.5, i) for i in range(4)]
+    pool.begin_step(store_step(pool, tensors)[2])
+    _, leases, step = store_step(pool, tensors)
+    del leases[:3]  # most of the step's tensors released: its arena holds more than the rest take
+    old = pool.current
+    excess = old.excess_words
+    assert excess > 0
+    pool.begin_step(step, 4 * 4096)
+    assert pool.current is not old
+    pool.current.reserve_fixed(1)
+    assert 0 < pool.current.reserved_bytes <= WORD_BYTES * (4 * 4096 - excess)
 
 
 def test_the_device_regions_never_take_more_than_the_smallest_recent_step_dense():

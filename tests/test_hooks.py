@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 import bitsparse
 from bitsparse import Options, Stats
-from bitsparse.allocator import Arena
+from bitsparse.allocator import Arena, pool
 from bitsparse.allocator.arena import DEMAND_STEPS
 from bitsparse.codecs import get_codec, torch_codec
 from bitsparse.format import TileGeometry, compressed_nbytes, dtype_spec
@@ -673,39 +673,23 @@ def run_pipeline(model, inputs, schedule, compressed: bool) -> tuple[list[torch.
 
 @pytest.mark.parametrize("in_flight", [1, 2, 3])
 @pytest.mark.parametrize("zeros", [0.5, 0.9])
-def test_a_pipeline_schedule_keeps_its_gradients_and_is_warned_about(zeros, in_flight):
-    """Interleaved, the arena cannot be emptied between steps, which the user is told once."""
+def test_a_pipeline_schedule_keeps_its_gradients_and_holds_no_more_than_dense(zeros, in_flight):
+    """One microbatch in flight is plain training; with more, forwards and backwards
+    interleave, and each step is served by an arena of its own, which is free again when its
+    microbatch's backward has run. No iteration holds more than it would without BitSparse,
+    the first included, and once the arenas are planned, the stage holds less."""
     model, inputs = pipeline_stage(zeros)
     schedule = one_f_one_b(len(inputs), in_flight)
     expected, _ = run_pipeline(model, inputs, schedule, compressed=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            got, _ = run_pipeline(model, inputs, schedule, compressed=True)
-            assert_same_grads(got, expected)
-    assert alive() == 0
-    warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert len(warned) == (in_flight > 1) and all("out of pipeline stages" in w for w in warned), warned
-
-
-INTERLEAVED = pytest.mark.xfail(
-    strict=True,
-    reason="a step that begins while an earlier one's tensors live appends after them, and the memory of those "
-    "that die first is not reused until all have (docs/design.md, 'Pipeline schedules hold more than dense')",
-)
-
-
-@pytest.mark.parametrize("zeros", [0.5, 0.9])
-@pytest.mark.parametrize("in_flight", [1, pytest.param(2, marks=INTERLEAVED), pytest.param(3, marks=INTERLEAVED)])
-def test_a_pipeline_schedule_holds_no_more_than_dense(zeros, in_flight):
-    """One microbatch in flight is plain training; with more, forwards and backwards
-    interleave and the arena cannot be emptied between steps."""
-    model, inputs = pipeline_stage(zeros)
-    schedule = one_f_one_b(len(inputs), in_flight)
+    ratios = []
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        ratios = [run_pipeline(model, inputs, schedule, compressed=True)[1] for _ in range(4)]
-    assert max(ratios) <= 1, ratios
+        warnings.simplefilter("error")
+        for _ in range(4):
+            got, ratio = run_pipeline(model, inputs, schedule, compressed=True)
+            assert_same_grads(got, expected)
+            ratios.append(ratio)
+    assert max(ratios) <= 1 and (zeros < 0.9 or ratios[-1] < 0.3), ratios
+    assert alive() == 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -1323,7 +1307,7 @@ def test_dense_storage_kept_without_compressing():
 
 @pytest.fixture
 def reporting_arenas(monkeypatch):
-    monkeypatch.setattr(manager, "Arena", functools.partial(Arena, asynchronous=True))
+    monkeypatch.setattr(pool, "Arena", functools.partial(Arena, asynchronous=True))
 
 
 def test_reported_appends_are_exact(reporting_arenas):
@@ -1801,8 +1785,6 @@ def test_mark_non_tensor(value):
 # Threads
 
 
-# Each thread's graphs keep the arena from being emptied for the other's steps: it says so.
-@pytest.mark.filterwarnings("ignore:BitSparse kept tensors dense:RuntimeWarning")
 def test_two_threads_train_concurrently(monkeypatch):
     # Which step a thread's statistics show depends on the other's timing: count what the
     # session stores instead.
@@ -2269,24 +2251,34 @@ def test_the_warning_about_nothing_to_compress_raised_as_an_error_leaves_steps_e
     assert bitsparse.stats().tensors_skipped.get("not_relu_family", 0) > 0
 
 
-def test_a_graph_kept_without_backward_is_warned_about_once():
+def test_a_graph_kept_without_backward_leaves_the_steps_after_it_an_arena_of_their_own():
     """An evaluation forward with gradients enabled, kept in a variable, holds its compressed
-    tensors: later steps cannot reuse the arena and fall back (exactly); the user is told."""
+    tensors in the arena that served it: the training steps after it are served by another,
+    store every tensor and keep exact gradients; once the graph goes, the first arena serves
+    again and the other lets its buffer go."""
     model, x = mlp(), mlp_input()
     expected = train_step(model, x, contextlib.nullcontext())
-    options = {**OPTIONS, "capacity": 96 << 10}  # room for about one step at a time
-    with bitsparse.compressing(**options):
-        kept = model(mlp_input(9))
-    with pytest.warns(RuntimeWarning, match="compressed tensors of an earlier step that are still alive") as caught:
-        for _ in range(4):
+    options = {"min_numel": MIN_NUMEL}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
             assert_same_grads(train_step(model, x, bitsparse.compressing(**options)), expected)
-    assert len([w for w in caught if w.category is RuntimeWarning]) == 1
-    assert bitsparse.stats().fallbacks.get("arena_full", 0) > 0
-    del kept
-    gc.collect()
-    for _ in range(2):  # the arena is emptied and grows to fit again
-        assert_same_grads(train_step(model, x, bitsparse.compressing(**options)), expected)
-    assert bitsparse.stats().fallbacks == {}
+        reserved = bitsparse.stats().arena_reserved
+        with bitsparse.compressing(**options):
+            kept = model(mlp_input(9))
+        for _ in range(3):
+            assert_same_grads(train_step(model, x, bitsparse.compressing(**options)), expected)
+            s = bitsparse.stats()
+        assert s.fallbacks == {} and s.tensors_compressed == 2 and alive() == 2, str(s)
+        assert reserved < s.arena_reserved <= 2 * reserved
+        both = s.arena_reserved
+        del kept
+        gc.collect()
+        for _ in range(2):
+            assert_same_grads(train_step(model, x, bitsparse.compressing(**options)), expected)
+            s = bitsparse.stats()
+    # One arena again (planned for the larger step of the evaluation's and the training's).
+    assert s.fallbacks == {} and s.tensors_compressed == 2 and s.arena_reserved < both, str(s)
 
 
 def test_a_graph_that_lives_through_one_more_step_finds_room_from_then_on():

@@ -1,0 +1,95 @@
+"""The arenas of one device: one for each step whose compressed tensors are alive.
+
+An arena is emptied at a step's start only when nothing it holds is alive. Where steps
+overlap (a pipeline schedule runs a microbatch's forward while earlier microbatches wait for
+their backward; a graph is kept without its backward), the new step is served by another
+arena, so that each step's memory goes with its own tensors rather than with the last of
+everyone's: the *primary* arena (the first, the only one that may spill to host memory) if
+it is free, else the arena that served the last step if it is, else another free one, else
+a new one that plans from the demand history of the arena that served the last step.
+
+Free arenas that serve no step let their buffers go at once. None of them is ever mapped with
+a spill region (releasing a mapped buffer waits for the device), so nothing here waits for
+the GPU.
+
+Overlapping steps hold several buffers at once. Each is planned as an arena plans
+(``Arena.begin_step``) for a step of the size its caller expects (what the tensors the last
+backward released took dense, say), within that size less what the arenas still leased hold
+beyond what their live tensors would take dense (``Arena.excess_words``). Where the new step
+is as large as expected and its tensors fit, all the buffers together then take no more than
+their tensors would dense.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bitsparse.allocator.arena import Arena
+
+
+class ArenaPool:
+    """The arenas of ``device``; ``current`` serves the step in progress.
+
+    Args:
+        device: the device of the arenas.
+        window: the primary arena's window (see ``Arena``); the others take the primary's.
+        spill: whether the primary arena spills to host memory (see ``Arena``); the others
+            never do.
+    """
+
+    def __init__(self, device: torch.device | str, *, window: int | None = 1, spill: bool = False):
+        self.primary = Arena(device, window=window, spill=spill)
+        self.arenas: list[Arena] = [self.primary]
+        """Every arena of the device, the primary first."""
+        self.current = self.primary
+
+    def begin_step(self, demand: tuple, expected_words: int | None = None) -> bool:
+        """Note ``demand``, the finished step's (``Arena.begin_step``'s first four arguments),
+        in the arena that served it, and serve the new step with a free arena (see above),
+        emptied and planned for a step of ``expected_words`` dense words, within them less
+        the leased arenas' excess (None: not known; the arena plans from its own history
+        alone). Return whether anything a caller prepared for an arena's buffer may be stale:
+        another arena serves the steps, or a buffer went.
+        """
+        served, buffers = self.current, [arena.values for arena in self.arenas]
+        leased = [arena for arena in self.arenas if arena.leased]
+        plan = {"expected_words": expected_words, "budget_words": None}
+        if expected_words is not None:
+            plan["budget_words"] = max(0, expected_words - sum(arena.excess_words for arena in leased))
+        free = [arena for arena in self.arenas if arena not in leased]
+        if self.primary in free:
+            chosen = self.primary
+        elif served in free:
+            chosen = served
+        elif free:
+            chosen = free[0]
+        else:
+            chosen = Arena(served.device, window=self.primary.window, growable=self.primary.growable)
+            chosen.plan_like(served)
+        if chosen is served:
+            served.begin_step(*demand, **plan)
+        else:
+            served.begin_step(*demand)  # noted; emptied too if free
+            chosen.begin_step(None, None, **plan)
+        if chosen not in self.arenas:
+            self.arenas.append(chosen)  # one statement: an exception (Ctrl-C) before it drops the arena whole
+        for arena in free:
+            if arena is not chosen and arena.values is not None:
+                arena.release_buffer()
+        self.current = chosen
+        return chosen is not served or any(arena.values is not values for arena, values in zip(self.arenas, buffers))
+
+    @property
+    def open_leases(self) -> int:
+        """The open leases of all the arenas."""
+        return sum(arena.open_leases for arena in self.arenas)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """All the device memory the arenas hold."""
+        return sum(arena.reserved_bytes for arena in self.arenas)
+
+    @property
+    def spill_bytes(self) -> int:
+        """All the host memory the arenas hold (the primary's spill region)."""
+        return sum(arena.spill_bytes for arena in self.arenas)
