@@ -8,9 +8,11 @@ everyone's: the *primary* arena (the first, the only one that may spill to host 
 it is free, else the arena that served the last step if it is, else another free one, else
 a new one that plans from the demand history of the arena that served the last step.
 
-Free arenas that serve no step let their buffers go at once. None of them is ever mapped with
-a spill region (releasing a mapped buffer waits for the device), so nothing here waits for
-the GPU.
+Free arenas that serve no step let their buffers go at once, and arenas are resized as the
+steps they serve change, so none may be mapped with a spill region (releasing a mapped buffer
+waits for the device): only the primary spills, and only until steps overlap. Its buffer is
+then mapped without one at its next plan, the one wait of the kind; nothing else here waits
+for the GPU.
 
 Overlapping steps hold several buffers at once. Each is planned as an arena plans
 (``Arena.begin_step``) for a step of the size its caller expects (what the tensors the last
@@ -32,16 +34,25 @@ class ArenaPool:
 
     Args:
         device: the device of the arenas.
-        window: the primary arena's window (see ``Arena``); the others take the primary's.
-        spill: whether the primary arena spills to host memory (see ``Arena``); the others
-            never do.
+        window: the arenas' window (see ``Arena``).
+        spill: whether the primary arena spills to host memory (see ``Arena``) while steps
+            have not overlapped; the others never do.
     """
 
     def __init__(self, device: torch.device | str, *, window: int | None = 1, spill: bool = False):
-        self.primary = Arena(device, window=window, spill=spill)
+        self.primary = Arena(device)
         self.arenas: list[Arena] = [self.primary]
         """Every arena of the device, the primary first."""
         self.current = self.primary
+        self.overlapped = False
+        """Whether a step began while tensors of an earlier one were alive."""
+        self.configure(window, spill)
+
+    def configure(self, window: int | None, spill: bool) -> None:
+        """Set the current arena's ``window`` and, for the primary before steps overlapped,
+        ``spill`` (see ``Arena``); only while it is not leased."""
+        current = self.current
+        current.window, current.spill = window, spill and current is self.primary and not self.overlapped
 
     def begin_step(self, demand: tuple, expected_words: int | None = None) -> bool:
         """Note ``demand``, the finished step's (``Arena.begin_step``'s first four arguments),
@@ -53,6 +64,8 @@ class ArenaPool:
         """
         served, buffers = self.current, [arena.values for arena in self.arenas]
         leased = [arena for arena in self.arenas if arena.leased]
+        if leased:
+            self.overlapped, self.primary.spill = True, False
         plan = {"expected_words": expected_words, "budget_words": None}
         if expected_words is not None:
             plan["budget_words"] = max(0, expected_words - sum(arena.excess_words for arena in leased))

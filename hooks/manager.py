@@ -404,11 +404,11 @@ class Session:
         while nothing it holds is alive) and set to their window and spill."""
         pool = self._pools.get(device)
         if pool is None:
-            pool = self._pools[device] = ArenaPool(device, window=options.window, spill=options.host_spill)
+            pool = self._pools[device] = ArenaPool(device)
             self._arenas = self._arenas + pool.arenas
         arena = pool.current
         if not arena.leased:
-            arena.window, arena.spill = options.window, options.host_spill and arena is pool.primary
+            pool.configure(options.window, options.host_spill)
             if self._capacities.get(device) != options.capacity:
                 self._capacities[device] = options.capacity
                 if options.capacity != "auto":

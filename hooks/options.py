@@ -59,7 +59,10 @@ class Options:
             arena is mapped through CUDA's virtual memory API, outside PyTorch's caching
             allocator (``torch.cuda.memory_allocated`` leaves it out; ``stats().arena_reserved``
             has it). Ignored off CUDA and where the driver cannot map host memory (before
-            CUDA 12.2); where mapping fails (no room), the arena goes on without it and warns.
+            CUDA 12.2), and from the first step that begins while an earlier step's tensors
+            are alive (a pipeline schedule), whose arenas are resized and released as steps
+            come and go, which a mapped arena would synchronize for; where mapping fails (no
+            room), the arena goes on without it and warns.
 
     Raises:
         TypeError: an option of the wrong type.

@@ -644,6 +644,23 @@ def test_a_step_begun_while_the_arena_is_leased_gets_an_arena_of_its_own():
     assert pool.reserved_bytes <= WORD_BYTES * 2 * one_forward
 
 
+def test_the_primary_arena_stops_spilling_once_steps_overlap():
+    # Arenas are resized and released as overlapping steps come and go, and a mapped buffer's
+    # release waits for the device: from the first overlap on, no arena spills.
+    pool = ArenaPool("cpu", spill=True)
+    assert pool.primary.spill and not pool.overlapped
+    tensors = [relu_like(4096, 0.9, i) for i in range(3)]
+    pool.begin_step(store_step(pool, tensors)[2])
+    assert pool.primary.spill
+    _, leases, step = store_step(pool, tensors)
+    pool.begin_step(step, 3 * 4096)
+    assert pool.overlapped and not pool.primary.spill and not pool.current.spill
+    del leases
+    pool.begin_step((None, None, None, 0))
+    pool.configure(1, True)
+    assert pool.current is pool.primary and not pool.primary.spill
+
+
 def test_an_arena_no_step_needs_lets_its_buffer_go():
     pool = ArenaPool("cpu")
     tensors = [relu_like(4096, 0.9, i) for i in range(3)]
