@@ -70,19 +70,14 @@ class ArenaPool:
         if expected_words is not None:
             plan["budget_words"] = max(0, expected_words - sum(arena.excess_words for arena in leased))
         free = [arena for arena in self.arenas if arena not in leased]
-        if self.primary in free:
-            chosen = self.primary
-        elif served in free:
-            chosen = served
-        elif free:
-            chosen = free[0]
-        else:
-            chosen = Arena(served.device, window=self.primary.window, growable=self.primary.growable)
-            chosen.plan_like(served)
+        chosen = self.primary if self.primary in free else served if served in free else next(iter(free), None)
         if chosen is served:
             served.begin_step(*demand, **plan)
         else:
             served.begin_step(*demand)  # noted; emptied too if free
+            if chosen is None:
+                chosen = Arena(served.device, window=self.primary.window, growable=self.primary.growable)
+                chosen.plan_like(served)  # its history, the step just noted included
             chosen.begin_step(None, None, **plan)
         if chosen not in self.arenas:
             self.arenas.append(chosen)  # one statement: an exception (Ctrl-C) before it drops the arena whole

@@ -400,8 +400,8 @@ class Session:
         return site.arena
 
     def _arena(self, device: torch.device, options: Options) -> Arena:
-        """The device's arena, resized when the options ask for another capacity (only
-        while nothing it holds is alive) and set to their window and spill."""
+        """The arena that serves the device's step, resized when the options ask for another
+        capacity (only while nothing it holds is alive) and set to their window and spill."""
         pool = self._pools.get(device)
         if pool is None:
             pool = self._pools[device] = ArenaPool(device)
@@ -447,7 +447,7 @@ class Session:
         # A held tensor's dense copy goes when the arena confirms that its values fit.
         if not sure:
             collector.holds = True
-        number = arena.submit(slot, None if sure else _confirmation(weakref.ref(handle), self, arena))
+        number = arena.submit(slot, None if sure else _confirmation(weakref.ref(handle), arena))
         collector.appends.append((arena, number, site, True))
         if sure and arena.stream is not None:
             # t's memory may return to the caching allocator before the encoder has read it:
@@ -675,8 +675,8 @@ class Session:
                 alive.add(entry[1])
         self._handles = handles
         for device, pool in self._pools.items():
-            budget = freed[device] if device in alive else None
-            if pool.begin_step(demand[pool.current], budget):
+            expected = freed[device] if device in alive else None
+            if pool.begin_step(demand[pool.current], expected):
                 self._forget_buffers()  # the sites must not keep a released buffer alive, nor serve an old arena
         self._arenas = [arena for pool in self._pools.values() for arena in pool.arenas]
 
@@ -803,7 +803,7 @@ class _Lease(Lease):
                 session._released()
 
 
-def _confirmation(handle_ref, session: Session, arena: Arena):
+def _confirmation(handle_ref, arena: Arena):
     """The callback an arena calls with where a held tensor's values started and ended: the
     handle lets its dense copy go if they fit, and keeps it for good if not (a fallback,
     which the step's accounting counts)."""

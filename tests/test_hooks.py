@@ -2270,7 +2270,7 @@ def test_a_graph_kept_without_backward_leaves_the_steps_after_it_an_arena_of_the
             assert_same_grads(train_step(model, x, bitsparse.compressing(**options)), expected)
             s = bitsparse.stats()
         assert s.fallbacks == {} and s.tensors_compressed == 2 and alive() == 2, str(s)
-        assert reserved < s.arena_reserved <= 2 * reserved
+        assert s.arena_reserved > reserved  # the first arena's buffer, and the other's
         both = s.arena_reserved
         del kept
         gc.collect()
