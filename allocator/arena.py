@@ -707,6 +707,13 @@ class Arena:
         self._empty()
         return True
 
+    @property
+    def stored_share(self) -> float | None:
+        """The most that the recent steps' tensors took stored over what they take dense
+        (None: not known)."""
+        shares = [(step[0] + step[1]) / step[3] for step in self._demands if step[3]]
+        return max(shares, default=None)
+
     def plan_like(self, other: "Arena") -> None:
         """Plan from ``other``'s demand history (the steps it served), for steps like those."""
         self._demands = collections.deque(other._demands, maxlen=DEMAND_STEPS)

@@ -20,6 +20,14 @@ backward released took dense, say), within that size less what the arenas still 
 beyond what their live tensors would take dense (``Arena.excess_words``). Where the new step
 is as large as expected and its tensors fit, all the buffers together then take no more than
 their tensors would dense.
+
+A step that begins while nothing is alive once steps have overlapped (a pipeline's warmup:
+several forwards before the first backward) is planned as its arena's history says, for all
+of its forwards, unless that arena's steps keep more than half their dense size stored
+(``WARMUP_SHARE``): its buffer, filled by the first forward and part of the next, would then
+outlast the first forward's tensors holding more than the rest stored in it take dense, and
+the steps after it would pay for that excess by storing less. It is planned for one
+overlapping step instead, and keeps the later forwards' tensors dense.
 """
 
 from __future__ import annotations
@@ -27,6 +35,11 @@ from __future__ import annotations
 import torch
 
 from bitsparse.allocator.arena import Arena
+
+WARMUP_SHARE = 0.5
+"""Where steps overlap, a step that begins while nothing is alive (a pipeline's warmup) whose
+arena's steps take more than this share of their dense size stored is planned for one
+overlapping step (see ``ArenaPool.begin_step``)."""
 
 
 class ArenaPool:
@@ -46,6 +59,8 @@ class ArenaPool:
         self.current = self.primary
         self.overlapped = False
         """Whether a step began while tensors of an earlier one were alive."""
+        self._overlapping_words: int | None = None
+        """The dense words the last such step was expected to take."""
         self.configure(window, spill)
 
     def configure(self, window: int | None, spill: bool) -> None:
@@ -66,11 +81,17 @@ class ArenaPool:
         leased = [arena for arena in self.arenas if arena.leased]
         if leased:
             self.overlapped, self.primary.spill = True, False
+        free = [arena for arena in self.arenas if arena not in leased]
+        chosen = self.primary if self.primary in free else served if served in free else next(iter(free), None)
         plan = {"expected_words": expected_words, "budget_words": None}
         if expected_words is not None:
             plan["budget_words"] = max(0, expected_words - sum(arena.excess_words for arena in leased))
-        free = [arena for arena in self.arenas if arena not in leased]
-        chosen = self.primary if self.primary in free else served if served in free else next(iter(free), None)
+            self._overlapping_words = expected_words
+        elif self.overlapped and chosen is not None and (chosen.stored_share or 0) > WARMUP_SHARE:
+            # A warmup (several forwards, nothing alive before them): planned for all of them,
+            # its buffer would outlast the first forward's tensors, with more than the tensors
+            # the rest stored in it take dense, and the steps after it would pay for that.
+            plan["expected_words"] = self._overlapping_words
         if chosen is served:
             served.begin_step(*demand, **plan)
         else:

@@ -661,6 +661,27 @@ def test_the_primary_arena_stops_spilling_once_steps_overlap():
     assert pool.current is pool.primary and not pool.primary.spill
 
 
+@pytest.mark.parametrize("zeros", [0.5, 0.9])
+def test_a_warmup_is_planned_for_one_forward_where_its_buffer_would_outlast_the_first(zeros):
+    # A 1F1B stage's iteration begins with a warmup, two forwards while nothing is alive, and
+    # a forward whose tensors keep more than half their size stored would leave the warmup's
+    # buffer holding more than the second forward's tensors take dense once the first's go.
+    pool = ArenaPool("cpu")
+    forward = [relu_like(4096, zeros, i) for i in range(3)]
+    one_forward = 3 * 4096
+    pool.begin_step(store_step(pool, forward * 2)[2])  # the first warmup, measured
+    _, warmup, step = store_step(pool, forward * 2)
+    pool.begin_step(step, one_forward)  # a forward begins while the warmup's tensors are alive
+    assert pool.overlapped
+    _, overlapping, step = store_step(pool, forward)
+    del warmup, overlapping
+    pool.begin_step(step)  # the next iteration's warmup
+    assert pool.current is pool.primary
+    pool.current.reserve_fixed(1)
+    one, whole = math.ceil(HEADROOM * 3 * fixed_words(4096)), 6 * fixed_words(4096)
+    assert pool.current.fixed_capacity_words == one if zeros == 0.5 else pool.current.fixed_capacity_words > whole
+
+
 def test_an_arena_no_step_needs_lets_its_buffer_go():
     pool = ArenaPool("cpu")
     tensors = [relu_like(4096, 0.9, i) for i in range(3)]
