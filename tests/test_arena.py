@@ -529,15 +529,16 @@ def test_a_leased_arena_notes_the_step_it_served_and_plans_from_it_once_free():
     # and the step's demand is noted; once released, the next plan counts it.
     arena = Arena("cpu")
     tensors = [relu_like(4096, 0.9, i) for i in range(6)]
-    run_step(arena, tensors)  # measured: the plan has room for them
-    compressed = [Store(arena)(x) for x in tensors]
-    lease = arena.open_lease(6 * 4096)
-    served = demand(arena)
-    assert not arena.begin_step(*served, 6 * 4096)  # kept: nothing emptied
-    assert_all_fit_exactly(compressed, tensors)
+    run_step(arena, tensors[:3])  # measured: the plan has room for three
+    compressed = [Store(arena)(x) for x in tensors]  # three stored, three measured
+    assert compressed[3:] == [None] * 3
+    lease = arena.open_lease(3 * 4096)
+    assert not arena.begin_step(*demand(arena), 6 * 4096)  # kept: nothing emptied
+    assert_all_fit_exactly(compressed[:3], tensors[:3])
     lease.release()
     assert arena.begin_step(None, None) and demand(arena) == (0, 0)
-    assert arena.fixed_capacity_words == math.ceil(HEADROOM * served[0])
+    arena.reserve_fixed(1)
+    assert arena.fixed_capacity_words == math.ceil(HEADROOM * 6 * fixed_words(4096))
 
 
 def test_a_step_expected_smaller_than_the_recent_ones_is_planned_as_they_scale_down():
