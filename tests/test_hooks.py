@@ -2284,9 +2284,10 @@ def test_a_graph_kept_without_backward_leaves_the_steps_after_it_an_arena_of_the
 def test_a_graph_that_lives_through_one_more_step_finds_room_from_then_on():
     """A GAN's generator output feeds the discriminator's step, whose backward ends it, and
     then the generator's step: the generator's compressed tensors stay alive through the
-    discriminator's step, which appends after them. The arena plans for the two together
-    (once the demands of the first steps, which only measured, have aged out): then every
-    tensor of both is compressed, and nothing is warned about. Gradients stay exact all along."""
+    discriminator's backward into the forward of the generator's loss, a step that an arena of
+    its own serves. Once the demands of the first steps,
+    which only measured, have aged out, every tensor of both steps is compressed, and nothing
+    is warned about. Gradients stay exact all along."""
     generator, discriminator = mlp(d_out=32, seed=1), mlp(d_out=1, seed=2)
     z, real = mlp_input(3), mlp_input(4)
 
