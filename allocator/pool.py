@@ -74,8 +74,9 @@ class ArenaPool:
         in the arena that served it, and serve the new step with a free arena (see above),
         emptied and planned for a step of ``expected_words`` dense words, within them less
         the leased arenas' excess (None: not known; the arena plans from its own history
-        alone). Return whether anything a caller prepared for an arena's buffer may be stale:
-        another arena serves the steps, or a buffer went.
+        alone, or, for a warmup once steps overlapped, for one overlapping step: see above).
+        Return whether anything a caller prepared for an arena's buffer may be stale: another
+        arena serves the steps, or a buffer went.
         """
         served, buffers = self.current, [arena.values for arena in self.arenas]
         leased = [arena for arena in self.arenas if arena.leased]
