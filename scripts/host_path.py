@@ -39,7 +39,7 @@ import time
 import torch
 
 import bitsparse
-from bitsparse.allocator import Arena
+from bitsparse.allocator import Arena, pool
 from bitsparse.bench.hooks import chain_step
 from bitsparse.hooks import manager
 
@@ -102,7 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     codec = LaunchlessCodec()
     manager.get_codec = lambda backend, device: codec
-    manager.Arena = functools.partial(Arena, asynchronous=True)
+    pool.Arena = functools.partial(Arena, asynchronous=True)
     x = torch.relu(torch.randn(args.numel) - 1.28).requires_grad_()
     weight = torch.nn.Parameter(torch.ones(args.numel))
     contexts = {"plain": contextlib.nullcontext, "bitsparse": lambda: bitsparse.compressing(min_numel=args.numel)}
