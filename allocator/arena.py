@@ -640,9 +640,13 @@ class Arena:
     @property
     def open_leases(self) -> int:
         """How many leases are open: made, not released, not dropped."""
+        return len(self._open_lease_refs())
+
+    def _open_lease_refs(self) -> list[weakref.ref]:
+        """The references to the open leases; those to the others are dropped."""
         refs = [ref for ref in self._lease_refs if (lease := ref()) is not None and lease.is_open]
         self._lease_refs = refs
-        return len(refs)
+        return refs
 
     @property
     def leased(self) -> bool:
@@ -736,7 +740,7 @@ class Arena:
         """The device memory (in words) the arena holds beyond what the holders of its open
         leases would take without it (see ``Lease``): what a caller that bounds several
         arenas' memory by their tensors' dense size counts against the others."""
-        leased = sum(lease.words for ref in self._lease_refs if (lease := ref()) is not None and lease.is_open)
+        leased = sum(lease.words for ref in self._open_lease_refs() if (lease := ref()) is not None)
         return max(0, self.reserved_bytes // WORD_BYTES - leased)
 
     def _empty(self) -> None:

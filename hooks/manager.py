@@ -404,8 +404,9 @@ class Session:
         capacity (only while nothing it holds is alive) and set to their window and spill."""
         pool = self._pools.get(device)
         if pool is None:
-            pool = self._pools[device] = ArenaPool(device)
-            self._arenas = self._arenas + pool.arenas
+            pool = ArenaPool(device)
+            # One statement, which an exception (Ctrl-C) cannot cut: the list and the pools agree.
+            self._pools[device], self._arenas = pool, self._arenas + pool.arenas
         arena = pool.current
         if not arena.leased:
             pool.configure(options.window, options.host_spill)
@@ -424,8 +425,17 @@ class Session:
 
         The handle keeps ``t``'s storage while it may be needed: where the arena is not sure
         that the values fit, until it confirms they do, or for good where they do not. A
-        stored tensor's handle holds a lease on the arena until autograd releases it.
+        stored tensor's handle holds a lease on the arena until autograd releases it. Every
+        handle it returns is tracked in ``_handles``.
         """
+        handle = self._store_or_keep(options, t, site, square)
+        self._handles.append((weakref.ref(handle), site.device, site.dense_words))
+        return handle
+
+    def _store_or_keep(
+        self, options: Options, t: torch.Tensor, site: Site, square: torch.Tensor | None
+    ) -> StoredTensor:
+        """``_store``'s handle, which the caller tracks."""
         collector = self._collector
         arena = site.arena if site.arena_options is options else self._site_arena(site, options)
         if not arena.on_append_stream():
@@ -454,7 +464,6 @@ class Session:
             # memory of another stream is then handed out only after the encoder.
             t.record_stream(arena.stream)
         collector.leased = True
-        self._handles.append((weakref.ref(handle), site.device, site.dense_words))
         return handle
 
     def _measure(self, arena: Arena, site: Site, x: torch.Tensor, square: torch.Tensor | None) -> None:
@@ -478,9 +487,7 @@ class Session:
         collector.fallbacks[reason] += 1
         collector.stats.dense_bytes += site.dense_bytes
         collector.stats.stored_bytes += site.dense_bytes
-        handle = StoredTensor(t, site)
-        self._handles.append((weakref.ref(handle), site.device, site.dense_words))
-        return handle
+        return StoredTensor(t, site)
 
     def _square_alone(self, site: Site, t: torch.Tensor, square: torch.Tensor | None) -> None:
         """Write ``square`` (if any) for ``t``, kept as it is, as storing it would have: the
@@ -622,6 +629,7 @@ class Session:
         give the new step an emptied arena on each device (see ``_serve_new_step``)."""
         finished = self._collector
         self._recount()
+        self._list_arenas()  # again, in case an exception (Ctrl-C) cut the last step's start short
         for arena in self._arenas:
             arena.drain()  # the last step's reports: its encoders ran before its backward
         # An arena that no tensor of the step reached (a forward that saved nothing it would
@@ -678,7 +686,7 @@ class Session:
             expected = freed[device] if device in alive else None
             if pool.begin_step(demand[pool.current], expected):
                 self._forget_buffers()  # the sites must not keep a released buffer alive, nor serve an old arena
-        self._arenas = [arena for pool in self._pools.values() for arena in pool.arenas]
+        self._list_arenas()
 
     def _note_idle(self, collector: StepCollector) -> None:
         """Warn, once, after ``IDLE_STEPS_BEFORE_WARNING`` steps whose saved tensors had none
@@ -702,6 +710,10 @@ class Session:
                 RuntimeWarning,
                 stacklevel=5,
             )
+
+    def _list_arenas(self) -> None:
+        """List every arena of every pool again (``_arenas``)."""
+        self._arenas = [arena for pool in self._pools.values() for arena in pool.arenas]
 
     def _forget_buffers(self) -> None:
         """Let the sites' prepared codecs and arenas go: an arena may change its buffer now,
