@@ -14,6 +14,7 @@ import bitsparse
 from bitsparse.bench import hooks
 from bitsparse.bench.__main__ import main as bench
 from bitsparse.bench.codec import CASES, time_ms
+from bitsparse.bench.pipeline import one_f_one_b
 from bitsparse.bench.training import CUBLAS_DETERMINISTIC_WORKSPACE, MODES, deterministic_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,6 +92,33 @@ def test_steps_suite_quick(tmp_path, capsys):
     rows = read_csv(tmp_path / "steps.csv")
     assert [(r["model"], r["step"]) for r in rows] == [("gpt", "1"), ("gpt", "2"), ("gpt", "3")]
     assert "gpt: peak allocated per step" in capsys.readouterr().out
+
+
+def test_pipeline_suite_quick(tmp_path):
+    bench(["pipeline", "--quick", "--zeros", "0.9", "--in-flight", "1", "3", "--repeats", "1", "--out", str(tmp_path)])
+    rows = read_csv(tmp_path / "pipeline.csv")
+    assert [r["in_flight"] for r in rows] == ["1", "3"]
+    # Both MLPs' ReLU outputs stored, none kept, and every iteration's gradients exact.
+    assert all(
+        r["grads_equal_dense"] == "True" and (r["last_step_compressed"], r["fallbacks"]) == ("2", "0") for r in rows
+    )
+
+
+@pytest.mark.parametrize("microbatches, in_flight", [(8, 1), (8, 3), (4, 4)])
+def test_one_f_one_b_runs_each_microbatch_once_with_at_most_in_flight_waiting(microbatches, in_flight):
+    schedule = one_f_one_b(microbatches, in_flight)
+    assert sorted(schedule) == [("B", i) for i in range(microbatches)] + [("F", i) for i in range(microbatches)]
+    waiting, most_waiting = [], 0
+    for op, i in schedule:
+        if op == "F":
+            waiting.append(i)
+        else:
+            assert waiting[0] == i  # backwards run in the forwards' order
+            waiting.pop(0)
+        most_waiting = max(most_waiting, len(waiting))
+    assert most_waiting == in_flight
+    with pytest.raises(ValueError, match="in_flight"):
+        one_f_one_b(microbatches, microbatches + 1)
 
 
 def test_hooks_suite_quick(capsys):

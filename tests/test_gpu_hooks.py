@@ -5,6 +5,7 @@ import torch
 
 import bitsparse
 from bitsparse.bench.models import GPT, GPTConfig, MLPStack, shift_to_sparsity
+from bitsparse.bench.pipeline import one_f_one_b, run_iteration
 from bitsparse.bench.training import compare_modes, deterministic_kernels, max_memory_allocated
 
 pytestmark = [
@@ -396,21 +397,15 @@ def test_a_host_far_ahead_of_the_gpu_peaks_no_higher_than_dense(build, window):
 
 
 def _pipeline_iteration(model, inputs, schedule, context, sync_check=False) -> tuple[list[torch.Tensor], int]:
-    """One iteration of a pipeline ``schedule`` (``test_hooks.one_f_one_b``), each forward
-    under ``context()``, and with ``sync_check`` any synchronizing call raising: the
-    gradients, and the iteration's peak of allocated memory."""
+    """One iteration of a pipeline ``schedule``, each forward under ``context()``, and with
+    ``sync_check`` any synchronizing call raising: the gradients, and the iteration's peak of
+    allocated memory."""
     model.zero_grad(set_to_none=False)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    losses = {}
     torch.cuda.set_sync_debug_mode("error" if sync_check else 0)
     try:
-        for op, i in schedule:
-            if op == "B":
-                losses.pop(i).backward()
-            else:
-                with context():
-                    losses[i] = model(inputs[i])
+        run_iteration(model, inputs, schedule, context)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
@@ -424,8 +419,6 @@ def test_a_pipeline_stage_is_exact_peaks_no_higher_than_dense_and_never_synchron
     its own. Each iteration's gradients equal those without BitSparse, none peaks above an
     iteration without it, and once the arenas are planned an iteration calls nothing that
     synchronizes with the device."""
-    from test_hooks import one_f_one_b
-
     torch.manual_seed(0)
     model = MLPStack(dim=256, hidden=1024, layers=3).cuda().to(torch.bfloat16)
     inputs = [torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16) for _ in range(8)]

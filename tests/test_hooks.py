@@ -30,6 +30,7 @@ import bitsparse
 from bitsparse import Options, Stats
 from bitsparse.allocator import Arena, pool
 from bitsparse.allocator.arena import DEMAND_STEPS
+from bitsparse.bench.pipeline import one_f_one_b
 from bitsparse.codecs import get_codec, torch_codec
 from bitsparse.format import TileGeometry, compressed_nbytes, dtype_spec
 from bitsparse.hooks import handles, manager
@@ -617,15 +618,6 @@ def test_interleaved_steps_reuse_the_arena():
     assert steps == list(range(steps[0], steps[0] + 4))
     # Fitted after the first step, then the same arena: nothing more is reserved.
     assert reserved[1] == reserved[2] == reserved[3] < reserved[0]
-
-
-def one_f_one_b(microbatches: int, in_flight: int) -> list[tuple[str, int]]:
-    """A pipeline stage's schedule (1F1B): ``in_flight`` forwards, then a backward and a
-    forward by turns, then the last backwards; ``("F", i)`` runs microbatch ``i``'s forward."""
-    schedule = [("F", i) for i in range(in_flight)]
-    for i in range(in_flight, microbatches):
-        schedule += [("B", i - in_flight), ("F", i)]
-    return schedule + [("B", i) for i in range(microbatches - in_flight, microbatches)]
 
 
 PIPELINE_HIDDEN = 512

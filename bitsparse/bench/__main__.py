@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from bitsparse.bench import codec, distributed, gpt, hooks, mlp, steps, vision
+from bitsparse.bench import codec, distributed, gpt, hooks, mlp, pipeline, steps, vision
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -13,6 +13,9 @@ def main(argv: list[str] | None = None) -> None:
     codec.add_arguments(suites.add_parser("codec", help="encode/decode bandwidth against a copy"))
     gpt.add_arguments(suites.add_parser("gpt", help="12-layer GPT: memory and step time per mode"))
     mlp.add_arguments(suites.add_parser("mlp", help="MLP stack: memory and step time per mode"))
+    pipeline.add_arguments(
+        suites.add_parser("pipeline", help="one stage of a 1F1B pipeline schedule: peaks, waits and time per mode")
+    )
     steps.add_arguments(suites.add_parser("steps", help="peak memory of each of the first steps, dense and BitSparse"))
     hooks.add_arguments(suites.add_parser("hooks", help="host time the hooks add per stored and per skipped tensor"))
     vision.add_arguments(suites.add_parser("vision", help="ResNet-50: memory and step time per mode (torchvision)"))
@@ -28,6 +31,8 @@ def main(argv: list[str] | None = None) -> None:
         gpt.run(args)
     elif args.suite == "mlp":
         mlp.run(args)
+    elif args.suite == "pipeline":
+        pipeline.run(args)
     elif args.suite == "steps" and args.child:
         steps.child(args)
     elif args.suite == "steps":
