@@ -8,11 +8,13 @@ inside ``bitsparse.compressing()`` in the BitSparse mode.
 
 For each zero level and number in flight, in one process: the peak of allocated memory of
 each of the first iterations, everything the process holds included (model, gradients,
-inputs, arenas), dense and then with BitSparse from its first iteration on; the host's waits
-for the GPU (``Stats.window_waits``) per BitSparse iteration; whether every BitSparse
-iteration's gradients equal dense's bit for bit; how many tensors the last step compressed
-and how many were kept (``Stats.fallbacks``); and the iteration's time (CUDA events) and
-its host time (to queue the last backward), medians over interleaved rounds.
+inputs, arenas; an arena mapped outside PyTorch's allocator counts at its size at the
+iteration's end, ``training.max_memory_allocated``), dense and then with BitSparse from its
+first iteration on; the host's waits for the GPU (``Stats.window_waits``) per BitSparse
+iteration; whether every BitSparse iteration's gradients equal dense's bit for bit; how many
+tensors the last step compressed and how many were kept (``Stats.fallbacks``); and the
+iteration's time (CUDA events) and its host time (to queue the last backward), medians over
+interleaved rounds.
 """
 
 from __future__ import annotations
