@@ -8,13 +8,11 @@ inside ``bitsparse.compressing()`` in the BitSparse mode.
 
 For each zero level and number in flight, in one process: the peak of allocated memory of
 each of the first iterations, everything the process holds included (model, gradients,
-inputs, arenas; an arena mapped outside PyTorch's allocator counts at its size at the
-iteration's end, ``training.max_memory_allocated``), dense and then with BitSparse from its
-first iteration on; the host's waits for the GPU (``Stats.window_waits``) per BitSparse
-iteration; whether every BitSparse iteration's gradients equal dense's bit for bit; how many
-tensors the last step compressed and how many were kept (``Stats.fallbacks``); and the
-iteration's time (CUDA events) and its host time (to queue the last backward), medians over
-interleaved rounds.
+inputs, arenas: ``IterationMonitor``), dense and then with BitSparse from its first iteration
+on; the host's waits for the GPU (``Stats.window_waits``) per BitSparse iteration; whether
+every BitSparse iteration's gradients equal dense's bit for bit; how many tensors the last
+step compressed and how many were kept (``Stats.fallbacks``); and the iteration's time (CUDA
+events) and its host time (to queue the last backward), medians over interleaved rounds.
 """
 
 from __future__ import annotations
@@ -52,10 +50,11 @@ def run_iteration(
     inputs: list[torch.Tensor],
     schedule: list[tuple[str, int]],
     context: Callable[[], contextlib.AbstractContextManager],
-    after_forward: Callable[[], None] = lambda: None,
+    after_each: Callable[[str], None] = lambda op: None,
 ) -> None:
-    """One iteration of ``schedule`` over ``inputs``: each forward inside ``context()``,
-    followed by ``after_forward()``; the gradients accumulate into the model's."""
+    """One iteration of ``schedule`` over ``inputs``: each forward inside ``context()``, and
+    ``after_each(op)`` after every forward (``"F"``) and backward (``"B"``); the gradients
+    accumulate into the model's."""
     losses = {}
     for op, i in schedule:
         if op == "B":
@@ -63,21 +62,33 @@ def run_iteration(
         else:
             with context():
                 losses[i] = model(inputs[i])
-            after_forward()
+        after_each(op)
 
 
-class WaitCounter:
-    """Adds up ``Stats.window_waits`` over the steps of an iteration (``stats()`` counts one
-    step's; a step's forwards follow one another without a backward between)."""
+class IterationMonitor:
+    """Called after each op of an iteration: the iteration's ``peak`` of allocated memory on
+    CUDA, each op's counted with the arenas mapped outside PyTorch's allocator as the op
+    leaves them (an arena is made or resized as a step begins, at a forward), and the host's
+    ``waits`` for the GPU (``Stats.window_waits``) added up over the iteration's steps (a
+    step's forwards follow one another without a backward between, and ``stats()`` counts
+    one step's)."""
 
-    def __init__(self):
-        self.total, self._step, self._step_waits = 0, None, 0
+    def __init__(self, arenas: bool):
+        self.peak, self.waits = 0, 0
+        self._arenas, self._step, self._step_waits = arenas, None, 0
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
 
-    def __call__(self) -> None:
+    def __call__(self, op: str) -> None:
         stats = bitsparse.stats()
-        counted = self._step_waits if stats.step == self._step else 0
-        self.total += stats.window_waits - counted
-        self._step, self._step_waits = stats.step, stats.window_waits
+        if torch.cuda.is_available():
+            mapped = training.arena_outside_allocator(stats) if self._arenas else 0
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated() + mapped)
+            torch.cuda.reset_peak_memory_stats()
+        if self._arenas and op == "F":
+            counted = self._step_waits if stats.step == self._step else 0
+            self.waits += stats.window_waits - counted
+            self._step, self._step_waits = stats.step, stats.window_waits
 
 
 def build(args: argparse.Namespace, device: str):
@@ -97,30 +108,28 @@ def measure(model, inputs, schedule, args: argparse.Namespace) -> dict:
     options = training.bitsparse_options(args)
     contexts = {"dense": contextlib.nullcontext, "bitsparse": lambda: bitsparse.compressing(**options)}
 
-    def peak_of(mode: str, after_forward=lambda: None) -> int:
+    def monitored(mode: str) -> IterationMonitor:
         model.zero_grad(set_to_none=False)
         sync()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        run_iteration(model, inputs, schedule, contexts[mode], after_forward)
-        sync()
-        return training.max_memory_allocated() if cuda else 0
+        monitor = IterationMonitor(arenas=mode == "bitsparse")
+        run_iteration(model, inputs, schedule, contexts[mode], monitor)
+        return monitor
 
     def grads() -> list[torch.Tensor]:
         # On the host: a copy on the device would count in the peaks of the iterations after it.
         return [p.grad.cpu() for p in model.parameters()]
 
     bitsparse.reset()
-    peak_of("dense")  # allocates the gradients
+    monitored("dense")  # allocates the gradients
     static = torch.cuda.memory_allocated() if cuda else 0
     with training.deterministic_kernels():
-        dense_peak = peak_of("dense")
+        dense_peak = monitored("dense").peak
         expected = grads()
         bitsparse_peaks, waits, exact = [], [], True
         for _ in range(args.iterations):
-            counter = WaitCounter()
-            bitsparse_peaks.append(peak_of("bitsparse", counter))
-            waits.append(counter.total)
+            monitor = monitored("bitsparse")
+            bitsparse_peaks.append(monitor.peak)
+            waits.append(monitor.waits)
             exact = exact and all(torch.equal(a, b) for a, b in zip(grads(), expected))
     stats = bitsparse.stats()
 
@@ -188,7 +197,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 f"{zeros:>5.2f} {in_flight:>9} {row['dense_peak_bytes'] / mib:>9.0f} "
                 f"{row['first_peak_bytes'] / mib:>9.0f} {row['steady_peak_bytes'] / mib:>9.0f} "
                 f"{row['activation_ratio']:>10.3f} {row['waits_per_iteration']:>6} {row['dense_ms']:>9.1f} "
-                f"{row['bitsparse_ms']:>8.1f} {row['overhead_pct']:>+8.1f}% {row['dense_host_ms']:>11.1f} {row['bitsparse_host_ms']:>6.1f} "
+                f"{row['bitsparse_ms']:>8.1f} {row['overhead_pct']:>+8.1f}% "
+                f"{row['dense_host_ms']:>11.1f} {row['bitsparse_host_ms']:>6.1f} "
                 f"{row['last_step_compressed']:>6} {row['fallbacks']:>5}  "
                 f"{'equal' if row['grads_equal_dense'] else 'DIFFER'}"
             )
