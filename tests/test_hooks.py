@@ -635,8 +635,9 @@ def pipeline_stage(zeros: float):
     return model, inputs
 
 
-def run_pipeline(model, inputs, schedule, compressed: bool) -> tuple[list[torch.Tensor], float]:
-    """One iteration of ``schedule``: the gradients, and, under ``compressing()``, the most
+def run_pipeline(model, inputs, schedule, options: dict | None) -> tuple[list[torch.Tensor], float]:
+    """One iteration of ``schedule``: the gradients, and, under ``compressing(**options)``
+    (dense where ``options`` is None), the most
     that the ReLU outputs took with BitSparse (the arena, and those kept dense) at the end of
     a forward, over the most they take dense (the layers' ReLU outputs are the only tensors
     it stores, all of one size)."""
@@ -649,9 +650,9 @@ def run_pipeline(model, inputs, schedule, compressed: bool) -> tuple[list[torch.
             losses.pop(i).backward()
             kept_dense.pop(i, None)
             continue
-        with bitsparse.compressing() if compressed else contextlib.nullcontext():
+        with contextlib.nullcontext() if options is None else bitsparse.compressing(**options):
             losses[i] = model(inputs[i])
-        if compressed:
+        if options is not None:
             stats = bitsparse.stats()
             fallbacks = sum(stats.fallbacks.values())
             # A step's forwards follow one another without a backward between: its counts add up.
@@ -660,7 +661,7 @@ def run_pipeline(model, inputs, schedule, compressed: bool) -> tuple[list[torch.
             held = stats.arena_reserved + relu_output_bytes * sum(kept_dense.values())
             most, most_dense = max(most, held), max(most_dense, relu_output_bytes * len(model.layers) * len(losses))
     grads = [p.grad.clone() for p in model.parameters()]
-    return grads, most / most_dense if compressed else 0.0
+    return grads, 0.0 if options is None else most / most_dense
 
 
 @pytest.mark.parametrize("in_flight", [1, 2, 3])
@@ -672,12 +673,12 @@ def test_a_pipeline_schedule_keeps_its_gradients_and_holds_no_more_than_dense(ze
     the first included, and once the arenas are planned, the stage holds less."""
     model, inputs = pipeline_stage(zeros)
     schedule = one_f_one_b(len(inputs), in_flight)
-    expected, _ = run_pipeline(model, inputs, schedule, compressed=False)
+    expected, _ = run_pipeline(model, inputs, schedule, None)
     ratios = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for _ in range(4):
-            got, ratio = run_pipeline(model, inputs, schedule, compressed=True)
+            got, ratio = run_pipeline(model, inputs, schedule, {})
             assert_same_grads(got, expected)
             ratios.append(ratio)
     assert max(ratios) <= 1 and ratios[-1] < (0.3 if zeros == 0.9 else 0.9), ratios
@@ -1947,7 +1948,8 @@ def test_an_exception_while_storing_leaves_the_library_working(monkeypatch, erro
 
 class CtrlC:
     """A tracer that raises KeyboardInterrupt at the ``at``-th line BitSparse's own Python
-    runs (``at`` 0: none, only counting them), as Ctrl-C may anywhere, with two exceptions.
+    runs (``at`` 0: none, only counting them; with ``within``, a function, counting only the
+    lines run within a call of it), as Ctrl-C may anywhere, with two exceptions.
     While a block exits: no Python code can keep Ctrl-C from landing as its ``__exit__``
     begins (torch's own ``saved_tensors_hooks`` included), and ``with`` does not call it
     again. And at a ``with`` statement's line, which a tracer also sees as the block ends,
@@ -1958,15 +1960,19 @@ class CtrlC:
         str(pathlib.Path(package.__file__).resolve().parent) + "/"
         for package in (bitsparse, bitsparse.hooks, bitsparse.allocator)  # three folders: see pyproject.toml
     )
+    MODELS = str(pathlib.Path(bitsparse.bench.__file__).resolve().parent) + "/"
+    """The benchmarks' models, which some workloads train: the user's code, not BitSparse's."""
 
-    def __init__(self, at: int):
+    def __init__(self, at: int, within=None):
         self.at, self.lines, self.exiting = at, 0, False
+        self.within = None if within is None else within.__code__
 
     def __call__(self, frame, event, arg):
         if frame.f_code is bitsparse.compressing.__exit__.__code__:
             self.exiting = True
             return self.exit
-        if self.exiting or not frame.f_code.co_filename.startswith(self.PACKAGES):
+        filename = frame.f_code.co_filename
+        if self.exiting or not filename.startswith(self.PACKAGES) or filename.startswith(self.MODELS):
             return None
         return self.line
 
@@ -1978,43 +1984,71 @@ class CtrlC:
     def at_with(frame) -> bool:
         return linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip().startswith("with ")
 
+    def inside(self, frame) -> bool:
+        """Whether ``frame`` runs within a call of the function ``within`` (any, if None)."""
+        while self.within is not None and frame is not None and frame.f_code is not self.within:
+            frame = frame.f_back
+        return frame is not None
+
     def line(self, frame, event, arg):
-        if event == "line" and not self.at_with(frame):
+        if event == "line" and not self.at_with(frame) and self.inside(frame):
             self.lines += 1
             if self.lines == self.at:
                 raise KeyboardInterrupt
         return self.line
 
 
-def ctrl_c_sweep(interruptions: int, options: dict = OPTIONS, whole_steps: int = 1) -> int:
-    """Interrupt a step of the MLP at ``interruptions`` lines of BitSparse's Python spread
-    evenly over all it runs in the step (pack, store, arena allocation, unpack, release), each
-    in a fresh session after ``whole_steps`` whole steps, and check after each that the
-    library goes on working: hooks removed, exact gradients, statistics that add up, every
-    tensor compressed again once the interrupted step has left the arena's sizing, nothing
-    left alive. Returns how many lines the step runs."""
+def mlp_steps():
+    """The sweeps' default workload: training steps of the MLP (``ctrl_c_sweep``)."""
     model, x = mlp(), mlp_input()
-    expected = train_step(model, x, contextlib.nullcontext())
+
+    def step(options):
+        return train_step(model, x, contextlib.nullcontext() if options is None else bitsparse.compressing(**options))
+
+    return step, 2
+
+
+def pipeline_iterations():
+    """Iterations of a 1F1B stage, 8 microbatches, 3 in flight (``ctrl_c_sweep``)."""
+    model, inputs = pipeline_stage(0.9)
+    schedule = one_f_one_b(len(inputs), 3)
+    return (lambda options: run_pipeline(model, inputs, schedule, options)[0]), len(model.layers)
+
+
+def ctrl_c_sweep(
+    interruptions: int, options: dict = OPTIONS, whole_steps: int = 1, workload=mlp_steps, within=None
+) -> int:
+    """Interrupt a step of ``workload()`` (a function that runs a step under
+    ``compressing(**options)``, or dense for None, and returns its gradients; and how many
+    tensors a step stores) at ``interruptions`` lines of
+    BitSparse's Python spread evenly over all it runs in the step (pack, store, arena
+    allocation, unpack, release; or, with ``within``, over the lines run within calls of that
+    function), each in a fresh session after ``whole_steps`` whole steps,
+    and check after each that the library goes on working: hooks removed, exact gradients,
+    statistics that add up, every tensor compressed again once the interrupted step has left
+    the arena's sizing, nothing left alive. Returns how many lines the step runs."""
+    step, stored = workload()
+    expected = step(None)
 
     def interrupted_step(tracer: CtrlC) -> None:
         bitsparse.reset()
         for _ in range(whole_steps):  # with an explicit capacity, the next step allocates the arena
-            train_step(model, x, bitsparse.compressing(**options))
+            step(options)
         sys.settrace(tracer)
         try:
-            train_step(model, x, bitsparse.compressing(**options))
+            step(options)
         except KeyboardInterrupt:
             pass
         finally:
             sys.settrace(None)
 
-    counting = CtrlC(0)
+    counting = CtrlC(0, within)
     interrupted_step(counting)
     hook = sys.unraisablehook
     sys.unraisablehook = functools.partial(_drop_interrupts, hook)
     try:
         for at in range(1, counting.lines + 1, max(1, counting.lines // interruptions)):
-            interrupted_step(CtrlC(at))
+            interrupted_step(CtrlC(at, within))
             if alive():  # what the interrupted step's frames hold in cycles
                 gc.collect()
             assert not hooks_installed(), at
@@ -2023,14 +2057,14 @@ def ctrl_c_sweep(interruptions: int, options: dict = OPTIONS, whole_steps: int =
             # whose size caps the arena for the next DEMAND_STEPS steps (so that such a step is
             # never worse off): fewer tensors may fit until then, all of them after. The cap
             # can only lift, so the steps after one that compresses every tensor do too.
-            for step in range(DEMAND_STEPS + 2):
-                assert_same_grads(train_step(model, x, bitsparse.compressing(**options)), expected)
+            for attempt in range(DEMAND_STEPS + 2):
+                assert_same_grads(step(options), expected)
                 s = bitsparse.stats()
-                if step:
+                if attempt:
                     check_consistent(s)
-                    if (s.tensors_compressed, s.fallbacks) == (2, {}):
+                    if (s.tensors_compressed, s.fallbacks) == (stored, {}):
                         break
-            assert (s.tensors_compressed, s.fallbacks) == (2, {}), (at, str(s))
+            assert (s.tensors_compressed, s.fallbacks) == (stored, {}), (at, str(s))
             if alive():
                 gc.collect()
             assert alive() == 0, at
@@ -2113,6 +2147,13 @@ def test_ctrl_c_on_the_last_line_of_a_blocks_entry_leaves_no_block_in_effect():
 def test_ctrl_c_anywhere_in_a_first_step_leaves_the_library_working():
     """The same for a first step of an arena sized by demand, which measures in host memory."""
     assert ctrl_c_sweep(30, {"min_numel": MIN_NUMEL}, whole_steps=0) > 100
+
+
+def test_ctrl_c_anywhere_in_a_pipeline_iteration_leaves_the_library_working():
+    """The same for the first iteration of a pipeline stage, whose overlapping steps are
+    served by arenas of their own, made, planned and released as each step begins: at 60
+    places spread over the steps' starts (``Session._begin_step``)."""
+    assert ctrl_c_sweep(60, {}, whole_steps=0, workload=pipeline_iterations, within=manager.Session._begin_step) > 500
 
 
 def test_a_block_inside_enable_stores_with_its_own_options_and_enable_with_its_own_after():
