@@ -636,11 +636,10 @@ def pipeline_stage(zeros: float):
 
 
 def run_pipeline(model, inputs, schedule, options: dict | None) -> tuple[list[torch.Tensor], float]:
-    """One iteration of ``schedule``: the gradients, and, under ``compressing(**options)``
-    (dense where ``options`` is None), the most
-    that the ReLU outputs took with BitSparse (the arena, and those kept dense) at the end of
-    a forward, over the most they take dense (the layers' ReLU outputs are the only tensors
-    it stores, all of one size)."""
+    """One iteration of ``schedule``, each forward under ``compressing(**options)`` (dense
+    where ``options`` is None): the gradients, and with BitSparse, the most that the ReLU
+    outputs took (the arena, and those kept dense) at the end of a forward, over the most they
+    take dense (the layers' ReLU outputs are the only tensors it stores, all of one size)."""
     model.zero_grad(set_to_none=True)
     relu_output_bytes = inputs[0].shape[0] * PIPELINE_HIDDEN * inputs[0].element_size()
     losses, kept_dense, most, most_dense = {}, {}, 0, 0
@@ -2018,15 +2017,15 @@ def pipeline_iterations():
 def ctrl_c_sweep(
     interruptions: int, options: dict = OPTIONS, whole_steps: int = 1, workload=mlp_steps, within=None
 ) -> int:
-    """Interrupt a step of ``workload()`` (a function that runs a step under
-    ``compressing(**options)``, or dense for None, and returns its gradients; and how many
-    tensors a step stores) at ``interruptions`` lines of
+    """Interrupt a step of ``workload()`` (which returns a function that runs a step, or a
+    pipeline's iteration, under ``compressing(**options)``, or dense for None, and returns
+    its gradients; and how many tensors a step stores) at ``interruptions`` lines of
     BitSparse's Python spread evenly over all it runs in the step (pack, store, arena
-    allocation, unpack, release; or, with ``within``, over the lines run within calls of that
-    function), each in a fresh session after ``whole_steps`` whole steps,
-    and check after each that the library goes on working: hooks removed, exact gradients,
-    statistics that add up, every tensor compressed again once the interrupted step has left
-    the arena's sizing, nothing left alive. Returns how many lines the step runs."""
+    allocation, unpack, release; with ``within``, a function, over the lines run within calls
+    of it), each in a fresh session after ``whole_steps`` whole steps, and check after each
+    that the library goes on working: hooks removed, exact gradients, statistics that add up,
+    every tensor compressed again once the interrupted step has left the arena's sizing,
+    nothing left alive. Returns how many lines the sweep could interrupt."""
     step, stored = workload()
     expected = step(None)
 
