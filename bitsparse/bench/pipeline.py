@@ -9,9 +9,11 @@ inside ``bitsparse.compressing()`` in the BitSparse mode.
 For each zero level and number in flight, in one process: the peak of allocated memory of
 each of the first iterations, everything the process holds included (model, gradients,
 inputs, arenas: ``IterationMonitor``), dense and then with BitSparse from its first iteration
-on; the host's waits for the GPU (``Stats.window_waits``) per BitSparse iteration; whether
-every BitSparse iteration's gradients equal dense's bit for bit; how many tensors the last
-step compressed and how many were kept (``Stats.fallbacks``); and the iteration's time (CUDA
+on (*steady*: the most of the iterations after the first; the *activation ratio*: the steady
+peak over dense's, each less what the process holds between iterations); the most waits of
+the host for the GPU (``Stats.window_waits``) in one of those iterations; whether every
+BitSparse iteration's gradients equal dense's bit for bit; how many tensors the last step
+compressed and how many were kept (``Stats.fallbacks``); and the iteration's time (CUDA
 events) and its host time (to queue the last backward), medians over interleaved rounds.
 """
 
@@ -152,11 +154,12 @@ def measure(model, inputs, schedule, args: argparse.Namespace) -> dict:
             else:
                 times[mode].append(host[mode][-1])
     dense_ms, bitsparse_ms = (statistics.median(times[mode]) for mode in MODES)
+    steady_peak = max(bitsparse_peaks[1:], default=bitsparse_peaks[0])
     return {
         "dense_peak_bytes": dense_peak,
         "first_peak_bytes": bitsparse_peaks[0],
-        "steady_peak_bytes": max(bitsparse_peaks[1:], default=bitsparse_peaks[0]),
-        "activation_ratio": _ratio(max(bitsparse_peaks[1:], default=bitsparse_peaks[0]) - static, dense_peak - static),
+        "steady_peak_bytes": steady_peak,
+        "activation_ratio": _ratio(steady_peak - static, dense_peak - static),
         "waits_per_iteration": max(waits[1:], default=waits[0]),
         "grads_equal_dense": exact,
         "last_step_compressed": stats.tensors_compressed,
@@ -174,7 +177,14 @@ def _ratio(numerator: float, denominator: float) -> float:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    """Every zero level and number in flight; print a table, write ``pipeline.csv``."""
+    """Every zero level and number in flight; print a table, write ``pipeline.csv``.
+
+    Raises:
+        ValueError: ``--iterations`` below 1, or a number in flight outside 1 to
+            ``--microbatches``.
+    """
+    if args.iterations < 1:
+        raise ValueError(f"--iterations {args.iterations}: at least one BitSparse iteration must be measured")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, inputs = build(args, device)
     rows = []
