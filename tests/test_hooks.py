@@ -30,7 +30,7 @@ import bitsparse
 from bitsparse import Options, Stats
 from bitsparse.allocator import Arena, pool
 from bitsparse.allocator.arena import DEMAND_STEPS
-from bitsparse.bench.pipeline import one_f_one_b
+from bitsparse.bench.pipeline import PerForward, one_f_one_b, run_iteration
 from bitsparse.codecs import get_codec, torch_codec
 from bitsparse.format import TileGeometry, compressed_nbytes, dtype_spec
 from bitsparse.hooks import handles, manager
@@ -642,23 +642,25 @@ def run_pipeline(model, inputs, schedule, options: dict | None) -> tuple[list[to
     take dense (the layers' ReLU outputs are the only tensors it stores, all of one size)."""
     model.zero_grad(set_to_none=True)
     relu_output_bytes = inputs[0].shape[0] * PIPELINE_HIDDEN * inputs[0].element_size()
-    losses, kept_dense, most, most_dense = {}, {}, 0, 0
-    step, fallbacks_before = None, 0
-    for op, i in schedule:
+    kept_dense, fallbacks, in_flight = {}, PerForward(lambda stats: sum(stats.fallbacks.values())), set()
+    most = most_dense = 0
+
+    def account(op: str, i: int) -> None:
+        nonlocal most, most_dense
         if op == "B":
-            losses.pop(i).backward()
+            in_flight.discard(i)
             kept_dense.pop(i, None)
-            continue
-        with contextlib.nullcontext() if options is None else bitsparse.compressing(**options):
-            losses[i] = model(inputs[i])
+            return
+        in_flight.add(i)
         if options is not None:
             stats = bitsparse.stats()
-            fallbacks = sum(stats.fallbacks.values())
-            # A step's forwards follow one another without a backward between: its counts add up.
-            kept_dense[i] = fallbacks - (fallbacks_before if stats.step == step else 0)
-            step, fallbacks_before = stats.step, fallbacks
+            kept_dense[i] = fallbacks.added(stats)
             held = stats.arena_reserved + relu_output_bytes * sum(kept_dense.values())
-            most, most_dense = max(most, held), max(most_dense, relu_output_bytes * len(model.layers) * len(losses))
+            most = max(most, held)
+            most_dense = max(most_dense, relu_output_bytes * len(model.layers) * len(in_flight))
+
+    context = contextlib.nullcontext if options is None else lambda: bitsparse.compressing(**options)
+    run_iteration(model, inputs, schedule, context, account)
     grads = [p.grad.clone() for p in model.parameters()]
     return grads, 0.0 if options is None else most / most_dense
 

@@ -52,11 +52,11 @@ def run_iteration(
     inputs: list[torch.Tensor],
     schedule: list[tuple[str, int]],
     context: Callable[[], contextlib.AbstractContextManager],
-    after_each: Callable[[str], None] = lambda op: None,
+    after_each: Callable[[str, int], None] = lambda op, i: None,
 ) -> None:
     """One iteration of ``schedule`` over ``inputs``: each forward inside ``context()``, and
-    ``after_each(op)`` after every forward (``"F"``) and backward (``"B"``); the gradients
-    accumulate into the model's."""
+    ``after_each(op, i)`` after every forward (``"F"``) and backward (``"B"``) of microbatch
+    ``i``; the gradients accumulate into the model's."""
     losses = {}
     for op, i in schedule:
         if op == "B":
@@ -64,33 +64,45 @@ def run_iteration(
         else:
             with context():
                 losses[i] = model(inputs[i])
-        after_each(op)
+        after_each(op, i)
+
+
+class PerForward:
+    """What each forward added to a count that ``bitsparse.stats()`` keeps per step: a step's
+    forwards follow one another without a backward between, and their counts add up."""
+
+    def __init__(self, count: Callable[[bitsparse.Stats], int]):
+        self._count, self._step, self._seen = count, None, 0
+
+    def added(self, stats: bitsparse.Stats) -> int:
+        """What the forward that ``stats`` were read after added (read after each forward)."""
+        value = self._count(stats)
+        added = value - (self._seen if stats.step == self._step else 0)
+        self._step, self._seen = stats.step, value
+        return added
 
 
 class IterationMonitor:
     """Called after each op of an iteration: the iteration's ``peak`` of allocated memory on
     CUDA, each op's counted with the arenas mapped outside PyTorch's allocator as the op
     leaves them (an arena is made or resized as a step begins, at a forward), and the host's
-    ``waits`` for the GPU (``Stats.window_waits``) added up over the iteration's steps (a
-    step's forwards follow one another without a backward between, and ``stats()`` counts
-    one step's)."""
+    ``waits`` for the GPU (``Stats.window_waits``) added up over the iteration's steps; with
+    ``arenas`` False (dense), the peak alone."""
 
     def __init__(self, arenas: bool):
         self.peak, self.waits = 0, 0
-        self._arenas, self._step, self._step_waits = arenas, None, 0
+        self._arenas, self._waits = arenas, PerForward(lambda stats: stats.window_waits)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
 
-    def __call__(self, op: str) -> None:
-        stats = bitsparse.stats()
+    def __call__(self, op: str, i: int) -> None:
+        stats = bitsparse.stats() if self._arenas else None
         if torch.cuda.is_available():
             mapped = training.arena_outside_allocator(stats) if self._arenas else 0
             self.peak = max(self.peak, torch.cuda.max_memory_allocated() + mapped)
             torch.cuda.reset_peak_memory_stats()
         if self._arenas and op == "F":
-            counted = self._step_waits if stats.step == self._step else 0
-            self.waits += stats.window_waits - counted
-            self._step, self._step_waits = stats.step, stats.window_waits
+            self.waits += self._waits.added(stats)
 
 
 def build(args: argparse.Namespace, device: str):
