@@ -58,7 +58,9 @@ and empties them. The device part never exceeds what the stored tensors of the s
 those steps take dense, nor a budget its caller gives: a step like any of them then holds
 less with the arena than it would hold without it. The arena starts empty unless given a
 capacity: a first step only measures (in host memory), and the next one has room for what
-the first needed.
+the first needed. A buffer is allocated at a step's first ``reserve_fixed``; where the device
+has no room for it, that step goes on measuring as a first step does, and later plans take at
+most half of it.
 
 The arena knows nothing of autograd or of the format: it hands out words.
 """
@@ -228,6 +230,10 @@ class Arena:
         self.spill = spill
         self._spill_refused = False
         """Whether mapping a spill region failed (no room, or a driver that refuses)."""
+        self._room_words: int | None = None
+        """The most device words a plan's regions may take, once the device had no room for
+        a planned buffer: half of that buffer's, halved again at each refusal (None: no
+        limit)."""
         self._report_slots: list[torch.Tensor] = []
         self._report_ends: list = []  # NumPy views of the slots, read without a CUDA call
         self._free_reports: list[int] = []
@@ -373,9 +379,10 @@ class Arena:
         return self.capacity_bytes + 8 * (COUNTER_WORDS + len(self._start_slots))
 
     def reserve_fixed(self, words: int) -> torch.Tensor | None:
-        """``words`` int32 words of the fixed region, or None when the region is full."""
+        """``words`` int32 words of the fixed region, or None when the region is full (or the
+        device had no room for the planned buffer: see ``out_of_memory``)."""
         if self._planned is not None:
-            self._allocate(*self._planned)
+            self._allocate_planned()
         self._fixed_demand += words
         start = self._fixed_used
         if self._fixed_used + words > self._fixed_capacity:
@@ -387,6 +394,26 @@ class Arena:
                 self._fixed_views.clear()
             view = self._fixed_views[start, words] = self._buffer[start : start + words]
         return view
+
+    def _allocate_planned(self) -> None:
+        """Allocate the planned buffer. Where the device has no room for it, the arena goes on
+        without one for the rest of the step, whose appends are only measured (in host
+        memory), so that its callers keep what they would have stored as it is, as without
+        the arena, rather than fail; the plans after it take at most half of it."""
+        planned = self._planned
+        try:
+            self._allocate(*planned)
+        except torch.OutOfMemoryError as error:
+            # _allocate closed the arena first: it has no buffer, and no plan, until the next step.
+            planned_words = planned[0] + planned[1]
+            self._room_words, self.out_of_memory = planned_words // 2, True
+            warnings.warn(
+                f"BitSparse: no room on {self.device} for its arena of {planned_words * WORD_BYTES} bytes ({error}); "
+                "this step keeps the tensors it would have stored as they are, and the next steps plan arenas of at "
+                f"most {self._room_words * WORD_BYTES} bytes (bitsparse.reset() lifts that limit).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def next_start(self) -> torch.Tensor:
         """An int64 ``[1]`` device word for the next append to write where its values start,
@@ -676,7 +703,8 @@ class Arena:
         more counts as scaled down to it: the warmup of a pipeline schedule (several forwards
         in one step) is not like the steps after it. Both device
         regions together take at most the fewest dense words of those steps and of the last
-        one, and ``budget_words`` (None: no budget), less what comes with a buffer
+        one, ``budget_words`` (None: no budget) and half of the last buffer the device had no
+        room for (see ``reserve_fixed``; none before), less what comes with a buffer
         (``_words_beside_regions``): where they would take more, that smallest step keeps room
         for its own demand, and the regions share the rest as the plan does (see
         ``_within_dense``); no buffer after a step that stored nothing. The spill region's
@@ -719,9 +747,10 @@ class Arena:
         return max(shares, default=None)
 
     def plan_like(self, other: "Arena") -> None:
-        """Plan from ``other``'s demand history (the steps it served), for steps like those."""
+        """Plan from ``other``'s demand history (the steps it served), for steps like those,
+        within the room its device had (see ``_allocate_planned``)."""
         self._demands = collections.deque(other._demands, maxlen=DEMAND_STEPS)
-        self._wanted_start_slots = other._wanted_start_slots
+        self._wanted_start_slots, self._room_words = other._wanted_start_slots, other._room_words
 
     def release_buffer(self) -> None:
         """Let the buffer go (an arena no step needs now): it is made again as planned at
@@ -746,6 +775,9 @@ class Arena:
     def _empty(self) -> None:
         """Start the step's accounting afresh (nothing is pending): what an exception (Ctrl-C)
         cut short in the last step's is not carried over."""
+        self.out_of_memory = False
+        """Whether the device had no room for the buffer planned for this step (which then
+        goes on without one: see ``reserve_fixed``)."""
         self._awaited = 0
         """Pending appends whose delivery someone waits for: with a callback, or throttled."""
         self._throttled = 0
@@ -796,7 +828,8 @@ class Arena:
     ) -> None:
         """Plan the regions for a step's demand (in words), where it differs enough, the
         device regions within the dense words of ``smallest``, a step's demand (see
-        ``begin_step``; None: not known), and within ``budget_words`` (None: none)."""
+        ``begin_step``; None: not known), within ``budget_words`` (None: none), and within
+        the room the device had (see ``_allocate_planned``)."""
 
         def planned(current: int, demand: int) -> int:
             if demand > GROW_WHEN_ABOVE * current or demand * 2 < current:
@@ -805,7 +838,7 @@ class Arena:
 
         current = self._planned or self._requested
         fixed, values = planned(current[0], fixed_demand), planned(current[1], values_demand)
-        rooms = [words for words in (smallest and smallest[3], budget_words) if words is not None]
+        rooms = [words for words in (smallest and smallest[3], budget_words, self._room_words) if words is not None]
         if rooms:
             # The rest of what the arena allocates with its buffer counts too.
             room = max(0, min(rooms) - self._words_beside_regions())

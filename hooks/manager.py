@@ -411,10 +411,10 @@ class Session:
         if not arena.leased:
             pool.configure(options.window, options.host_spill)
             if self._capacities.get(device) != options.capacity:
-                self._capacities[device] = options.capacity
                 if options.capacity != "auto":
                     self._forget_buffers()
-                    arena.resize(_capacity_bytes(device, options.capacity))
+                    _resize(arena, device, options.capacity)
+                self._capacities[device] = options.capacity  # only once applied: a failed one is tried again
         return arena
 
     def _store(self, options: Options, t: torch.Tensor, site: Site, square: torch.Tensor | None = None) -> StoredTensor:
@@ -447,7 +447,7 @@ class Session:
         fixed = arena.reserve_fixed(site.fixed_words)
         if fixed is None:
             self._measure(arena, site, x, square)
-            return self._kept_dense(t, site, "arena_full")
+            return self._kept_dense(t, site, "out_of_memory" if arena.out_of_memory else "arena_full")
         slot, report, sure = arena.next_report(site.max_value_words, site.dense_words)
         if site.values is not arena.values:
             site.prepare(arena.values, self._geometry, report is not None)
@@ -827,6 +827,23 @@ def _confirmation(handle_ref, arena: Arena):
             handle.confirm(fits)
 
     return confirm
+
+
+def _resize(arena: Arena, device: torch.device, capacity: int | float) -> None:
+    """Give ``arena`` the buffer an explicit ``capacity`` option asks for.
+
+    Raises:
+        torch.OutOfMemoryError: the device has no room for it; says what to pass instead.
+    """
+    capacity_bytes = _capacity_bytes(device, capacity)
+    try:
+        arena.resize(capacity_bytes)
+    except torch.OutOfMemoryError as error:
+        raise torch.OutOfMemoryError(
+            f"BitSparse could not allocate the arena that capacity={capacity!r} asks for ({capacity_bytes} bytes "
+            f"on {device}): pass a smaller capacity, a fraction of free memory (capacity=0.1, say), or "
+            "capacity='auto', which sizes the arena from what the steps store."
+        ) from error
 
 
 def _capacity_bytes(device: torch.device, capacity: int | float) -> int:

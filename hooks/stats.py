@@ -35,8 +35,9 @@ class Stats:
 
     ``fallbacks`` counts tensors that were to be compressed and are kept dense, by reason:
     ``arena_full`` (no room left: the arena grows for the next step; on the first step, which
-    only measures, every candidate counts here) and ``other_stream`` (saved on another CUDA
-    stream than the step's first stored tensor).
+    only measures, every candidate counts here), ``out_of_memory`` (the device had no room
+    for the arena planned for the step, which then only measures, as a first step does) and
+    ``other_stream`` (saved on another CUDA stream than the step's first stored tensor).
 
     ``arena_reserved`` is the device memory the arenas hold (all of it counts in a step's
     peak), ``arena_peak`` what of it this step used, ``spill_reserved`` the pinned host

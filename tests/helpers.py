@@ -464,3 +464,19 @@ def check_successive_appends(backend: str, device: str = "cpu") -> None:
         assert int(report) - 1 == int(buf.cursor) == before + int(c.stream_words())
         assert buf.appends.tolist() == [0, 0]
         assert_bitwise_equal(decompress(c, backend=backend), x)
+
+
+class NoRoomForBuffers:
+    """``torch`` as ``bitsparse.allocator.arena`` sees it (set it there with monkeypatch), but
+    for a device without room for a buffer: the arena's ``torch.empty`` of int32 words on its
+    device raises as PyTorch's caching allocator does when the device is full. Host memory,
+    where a first step measures, is still given."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*size, **kwargs):
+        if kwargs.get("dtype") is torch.int32 and "device" in kwargs:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return torch.empty(*size, **kwargs)

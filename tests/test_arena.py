@@ -15,10 +15,11 @@ import weakref
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, generator, make_input
+from helpers import NoRoomForBuffers, assert_bitwise_equal, generator, make_input
 
 from bitsparse import TileGeometry, ValueBuffer, compress, decompress
 from bitsparse.allocator import Arena, ArenaPool, ArenaUsage, Lease, mapped
+from bitsparse.allocator import arena as arena_module
 from bitsparse.allocator.arena import (
     ALIGN_WORDS,
     DEMAND_STEPS,
@@ -564,6 +565,32 @@ def test_a_budget_bounds_both_device_regions():
     assert arena.capacity_bytes <= WORD_BYTES * budget and arena.reserved_bytes <= WORD_BYTES * budget
     stored = [Store(arena)(x) for x in tensors]
     fitted = [(c, x) for c, x in zip(stored, tensors) if c is not None and c.fits()]
+    assert 0 < len(fitted) < len(tensors)
+    assert_all_fit_exactly(*zip(*fitted))
+
+
+def test_a_planned_buffer_the_device_has_no_room_for_leaves_its_step_measuring(monkeypatch):
+    tensors = [relu_like(4096, 0.5, i) for i in range(6)]
+    reference, arena = Arena("cpu"), Arena("cpu")
+    for planned in (reference, arena):
+        run_step(planned, tensors)  # measured: a buffer is planned, made at the next step's first store
+    store = Store(reference)
+    assert_all_fit_exactly([store(x) for x in tensors], tensors)
+    planned_words = reference.fixed_capacity_words + reference.values_capacity_words
+    monkeypatch.setattr(arena_module, "torch", NoRoomForBuffers())
+    store = Store(arena)
+    with pytest.warns(RuntimeWarning, match="no room on cpu for its arena"):
+        assert store(tensors[0]) is None
+    # No device memory held, as without the arena, and the step measured as a first step is.
+    assert arena.out_of_memory and arena.reserved_bytes == 0 and arena.cursor is None
+    assert [store(x) for x in tensors[1:]] == [None] * 5
+    monkeypatch.undo()
+    assert demand(arena) == demand(reference)
+    # The next steps plan within half of the refused buffer, and store what fits there.
+    assert arena.begin_step(*demand(arena), 6 * 4096) and not arena.out_of_memory
+    compressed = [Store(arena)(x) for x in tensors]
+    assert 0 < arena.fixed_capacity_words + arena.values_capacity_words <= planned_words // 2
+    fitted = [(c, x) for c, x in zip(compressed, tensors) if c is not None and c.fits()]
     assert 0 < len(fitted) < len(tensors)
     assert_all_fit_exactly(*zip(*fitted))
 

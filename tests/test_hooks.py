@@ -23,12 +23,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import assert_bitwise_equal
+from helpers import NoRoomForBuffers, assert_bitwise_equal
 from torch.utils.checkpoint import checkpoint
 
 import bitsparse
 from bitsparse import Options, Stats
 from bitsparse.allocator import Arena, pool
+from bitsparse.allocator import arena as arena_module
 from bitsparse.allocator.arena import DEMAND_STEPS
 from bitsparse.bench.pipeline import PerForward, one_f_one_b, run_iteration
 from bitsparse.codecs import get_codec, torch_codec
@@ -1945,6 +1946,44 @@ def test_an_exception_while_storing_leaves_the_library_working(monkeypatch, erro
         assert_same_grads(train_step(model, x, bitsparse.compressing(**OPTIONS)), expected)
         s = bitsparse.stats()
         assert s.tensors_compressed == 2 and s.fallbacks == {}, str(s)
+
+
+def test_a_step_whose_arena_the_device_has_no_room_for_keeps_its_tensors_and_the_next_store_in_less(monkeypatch):
+    model, x = mlp(), mlp_input()
+    expected = train_step(model, x, contextlib.nullcontext())
+    options = {"min_numel": MIN_NUMEL}  # the first step measures; the second is planned an arena
+    for _ in range(2):
+        train_step(model, x, bitsparse.compressing(**options))
+    planned = bitsparse.stats().arena_reserved
+    bitsparse.reset()
+    train_step(model, x, bitsparse.compressing(**options))
+    monkeypatch.setattr(arena_module, "torch", NoRoomForBuffers())
+    with pytest.warns(RuntimeWarning, match="no room on cpu for its arena"):
+        assert_same_grads(train_step(model, x, bitsparse.compressing(**options)), expected)
+    s = bitsparse.stats()
+    assert s.tensors_compressed == 0 and s.fallbacks == {"out_of_memory": 2} and s.arena_reserved == 0, str(s)
+    monkeypatch.undo()
+    for _ in range(2):
+        assert_same_grads(train_step(model, x, bitsparse.compressing(**options)), expected)
+        s = bitsparse.stats()
+        assert s.tensors_compressed == 1 and s.fallbacks == {"arena_full": 1}, str(s)
+        assert 0 < s.arena_reserved <= planned // 2
+    assert alive() == 0
+
+
+def test_an_explicit_capacity_the_device_has_no_room_for_is_refused_with_what_to_pass(monkeypatch):
+    model, x = mlp(), mlp_input()
+    expected = train_step(model, x, contextlib.nullcontext())
+    monkeypatch.setattr(arena_module, "torch", NoRoomForBuffers())
+    with pytest.raises(torch.OutOfMemoryError, match=r"capacity=1048576 asks for .* pass a smaller capacity"):
+        without_traceback(train_step, model, x, bitsparse.compressing(**OPTIONS))
+    assert not hooks_installed()
+    monkeypatch.undo()
+    gc.collect()
+    assert alive() == 0
+    for _ in range(2):  # the same capacity, once the device has room
+        assert_same_grads(train_step(model, x, bitsparse.compressing(**OPTIONS)), expected)
+        assert bitsparse.stats().tensors_compressed == 2
 
 
 class CtrlC:
