@@ -136,8 +136,8 @@ class ArenaUsage:
 class Lease:
     """A claim on the arena's contents, opened by making it (``Arena.open_lease``); release
     it when they are not needed, or drop it. ``words`` is what its holder would take without
-    the arena (the dense size of what it stores), for ``Arena.excess_words``. A subclass may
-    add what its owner counts.
+    the arena (the dense size of what it stores), for ``Arena.excess_words``; 0 once it keeps
+    that dense anyway (what it stored did not fit). A subclass may add what its owner counts.
 
     The arena knows its leases by weak reference, not by a count: a count that an exception
     cut between two updates (Ctrl-C, anywhere) would be wrong for good, and a lease the
@@ -264,7 +264,8 @@ class Arena:
             raise ValueError(f"arena capacity must be >= 0 bytes, got {capacity_bytes}")
         words = capacity_bytes // WORD_BYTES
         fixed = max(1, int(words * self.fixed_fraction)) if words >= 3 else 0
-        self._allocate(fixed, max(0, words - fixed - 1))
+        # The value region starts aligned and ends with the guard word, all within the capacity.
+        self._allocate(fixed, max(0, words - _aligned(fixed) - 1))
 
     @property
     def spills(self) -> bool:
@@ -299,7 +300,7 @@ class Arena:
             self._requested = requested
             self._update_hold_allowance()
             return
-        values_start = -(-fixed_words // ALIGN_WORDS) * ALIGN_WORDS
+        values_start = _aligned(fixed_words)
         if spill_words:
             # Both parts are mapped in whole units of the driver's granularity.
             unit = granularity(self._device_index) // WORD_BYTES if self._cuda else self._cpu_mapping_words
@@ -867,6 +868,12 @@ class Arena:
         rounded up to the caching allocator's 512-byte blocks."""
         start_bytes = -(-8 * self._wanted_start_slots // ALLOCATOR_BLOCK) * ALLOCATOR_BLOCK
         return (ALLOCATOR_BLOCK + start_bytes + 2 * ALLOCATOR_BLOCK) // WORD_BYTES
+
+
+def _aligned(fixed_words: int) -> int:
+    """Where the value region starts after ``fixed_words`` of fixed region: the next multiple
+    of ``ALIGN_WORDS``."""
+    return -(-fixed_words // ALIGN_WORDS) * ALIGN_WORDS
 
 
 def _scaled(step: tuple, dense_words: int) -> tuple:

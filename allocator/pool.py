@@ -69,16 +69,16 @@ class ArenaPool:
         current = self.current
         current.window, current.spill = window, spill and current is self.primary and not self.overlapped
 
-    def begin_step(self, demand: tuple, expected_words: int | None = None) -> bool:
+    def begin_step(self, demand: tuple, expected_words: int | None = None) -> None:
         """Note ``demand``, the finished step's (``Arena.begin_step``'s first four arguments),
         in the arena that served it, and serve the new step with a free arena (see above),
         emptied and planned for a step of ``expected_words`` dense words, within them less
         the leased arenas' excess (None: not known; the arena plans from its own history
         alone, or, for a warmup once steps overlapped, for one overlapping step: see above).
-        Return whether anything a caller prepared for an arena's buffer may be stale: another
-        arena serves the steps, or a buffer went.
+        What a caller prepared for an arena's buffer is stale where another arena serves the
+        steps (``current``) or the arena's buffer (``values``) changed.
         """
-        served, buffers = self.current, [arena.values for arena in self.arenas]
+        served = self.current
         leased = [arena for arena in self.arenas if arena.leased]
         if leased:
             self.overlapped, self.primary.spill = True, False
@@ -107,7 +107,6 @@ class ArenaPool:
             if arena is not chosen and arena.values is not None:
                 arena.release_buffer()
         self.current = chosen
-        return chosen is not served or any(arena.values is not values for arena, values in zip(self.arenas, buffers))
 
     @property
     def open_leases(self) -> int:

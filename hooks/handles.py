@@ -211,9 +211,13 @@ class StoredTensor(Handle):
 
     def confirm(self, fits: bool) -> None:
         """Take the arena's confirmation of a held tensor: the values fit (the dense storage
-        can go), or not (it stays, for good)."""
+        can go), or not (it stays, for good, and the arena holds nothing in its place: its
+        lease no longer counts the dense words against the arena's memory, see
+        ``Lease.words``)."""
         if fits:
             self.dense = None
+        elif self.lease is not None:
+            self.lease.words = 0
 
     def keep_copy(self) -> None:
         """Keep a copy of the dense tensor's elements rather than its memory, which its owner

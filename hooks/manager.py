@@ -147,7 +147,7 @@ class Session:
                 if provenance is not None:
                     return selected(options, t, node, provenance)
                 kept = "unrelated"
-            if self._backward_seen or (not self._live and self._collector.leased):
+            if self._backward_seen or (not self._collector.live and self._collector.leased):
                 self.begin_step()
             collector = self._collector
             if kept == "small":
@@ -191,7 +191,7 @@ class Session:
             return self._kept(t, node, "layout_or_device")
         with self._lock:
             # Within a forward that stored a tensor, neither holds: no call (host time).
-            if (self._backward_seen or not self._live) and self._step_over():
+            if (self._backward_seen or not self._collector.live) and self._step_over():
                 self._begin_step()
             collector = self._collector
             stats = collector.stats
@@ -241,7 +241,7 @@ class Session:
         """What autograd saves for ``t``, of the autograd node ``node`` (its base's), kept as
         it is for ``reason``."""
         # Decided without the lock, as in pack_hook.
-        if self._backward_seen or (not self._live and self._collector.leased):
+        if self._backward_seen or (not self._collector.live and self._collector.leased):
             self.begin_step()
         self._collector.skipped[reason] += 1  # tensors_seen counts them at the step's end
         # Kept without its history: a tensor saved by the node that made it (tanh's result)
@@ -622,7 +622,7 @@ class Session:
                 self._backward_seen = False
                 return False
             return True
-        return self._live == 0 and self._collector.leased
+        return self._collector.live == 0 and self._collector.leased
 
     def _begin_step(self) -> None:
         """Learn from the finished step which sites do not pay and what the others need, and
@@ -684,9 +684,9 @@ class Session:
         self._handles = handles
         for device, pool in self._pools.items():
             expected = freed[device] if device in alive else None
-            if pool.begin_step(demand[pool.current], expected):
-                self._forget_buffers()  # the sites must not keep a released buffer alive, nor serve an old arena
+            pool.begin_step(demand[pool.current], expected)
         self._list_arenas()
+        self._forget_stale_buffers()
 
     def _note_idle(self, collector: StepCollector) -> None:
         """Warn, once, after ``IDLE_STEPS_BEFORE_WARNING`` steps whose saved tensors had none
@@ -715,6 +715,18 @@ class Session:
         """List every arena of every pool again (``_arenas``)."""
         self._arenas = [arena for pool in self._pools.values() for arena in pool.arenas]
 
+    def _forget_stale_buffers(self) -> None:
+        """Let the sites forget an arena that no longer serves the steps, or a buffer their
+        arena let go of: they must not keep a released buffer alive, nor store into an old
+        arena. Checked at each step's start, not told by the pools, so that a start that an
+        exception (Ctrl-C) cut short, after a pool switched arenas, leaves no site behind
+        when it runs again."""
+        current = [pool.current for pool in self._pools.values()]
+        for site in self._sites.values():
+            arena = site.arena
+            if arena is not None and (all(arena is not c for c in current) or site.values is not arena.values):
+                site.forget_buffer()
+
     def _forget_buffers(self) -> None:
         """Let the sites' prepared codecs and arenas go: an arena may change its buffer now,
         or another arena serve the steps."""
@@ -726,9 +738,9 @@ class Session:
         exception (Ctrl-C) cut an update of the count short."""
         self._live = sum(pool.open_leases for pool in self._pools.values())
 
-    def _released(self) -> None:
-        """One compressed tensor fewer (called with the lock held)."""
-        self._live -= 1
+    def _released(self, step: StepCollector) -> None:
+        """One compressed tensor of ``step`` fewer (called with the lock held)."""
+        self._live, step.live = self._live - 1, step.live - 1  # one statement: nothing cuts it
         if self._live == 0:
             self._forget_saved()
             self.marks.clear()
@@ -796,23 +808,27 @@ def _same_geometry(handle: Handle, t: torch.Tensor) -> bool:
 
 
 class _Lease(Lease):
-    """An arena lease that also counts the session's live tensors; released when dropped,
-    whatever dropped it (an exception while storing included). The count is for the hooks'
-    quick checks; each step's start counts again from the arenas' leases, which an
-    exception cannot leave wrong (see ``Lease``)."""
+    """An arena lease that also counts the session's live tensors, and those of the step that
+    stored them; released when dropped, whatever dropped it (an exception while storing
+    included). The counts are for the hooks' quick checks; each step's start counts the
+    session's again from the arenas' leases, which an exception cannot leave wrong (see
+    ``Lease``). A step's own count that one left too high only keeps the step going until its
+    backward, as though its tensors were alive."""
 
-    __slots__ = ("_session",)
+    __slots__ = ("_session", "_step")
 
     def __init__(self, session: Session, arena: Arena, words: int):
         super().__init__(arena, words)
-        self._session, session._live = session, session._live + 1  # one statement: nothing cuts it
+        step = session._collector
+        # One statement: nothing cuts it.
+        self._session, self._step, session._live, step.live = session, step, session._live + 1, step.live + 1
 
     def __del__(self):
         session = getattr(self, "_session", None)  # None if an exception cut __init__ short
         if session is not None:
             with session._lock:
                 self.release()
-                session._released()
+                session._released(self._step)
 
 
 def _confirmation(handle_ref, arena: Arena):

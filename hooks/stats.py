@@ -128,6 +128,8 @@ class StepCollector:
         """Per arena, the device word its encoders add their stored elements to (its tally)."""
         self.leased = False
         """Whether a tensor of this step was stored in an arena (not only measured)."""
+        self.live = 0
+        """This step's stored tensors that autograd still holds (their arena leases)."""
         self.holds = False
         """Whether a tensor of this step is held until its arena confirms it (not sure to
         fit): only then do stores poll the arenas' reports."""

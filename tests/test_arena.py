@@ -125,6 +125,14 @@ def test_capacity_rounds_down_to_words():
     assert arena.capacity_bytes == 4096
 
 
+@pytest.mark.parametrize("capacity", [1000, 10_000, 4096 + 20])
+def test_a_fixed_region_of_unaligned_size_keeps_the_buffer_within_the_capacity(capacity):
+    # The value region starts at a multiple of ALIGN_WORDS: the words skipped count too.
+    arena = Arena("cpu", capacity)
+    assert arena.fixed_capacity_words % ALIGN_WORDS != 0
+    assert arena.capacity_bytes == capacity
+
+
 def test_negative_capacity():
     with pytest.raises(ValueError, match="arena capacity must be >= 0 bytes, got -4096"):
         Arena("cpu", -4096)
@@ -720,7 +728,7 @@ def test_an_arena_no_step_needs_lets_its_buffer_go():
     _, held_second, step = store_step(pool, tensors)
     assert second is not pool.primary and second.reserved_bytes > 0
     del held_first, held_second
-    assert pool.begin_step(step)  # all free: the primary serves, the other lets its buffer go
+    pool.begin_step(step)  # all free: the primary serves, the other lets its buffer go
     assert pool.current is pool.primary and second.reserved_bytes == 0 and second.values is None
 
 

@@ -687,6 +687,91 @@ def test_a_pipeline_schedule_keeps_its_gradients_and_holds_no_more_than_dense(ze
     assert alive() == 0
 
 
+def test_a_tensor_kept_dense_for_good_no_longer_counts_as_held_in_its_arenas_place():
+    """The arena's excess over its leases, which bounds the arenas of overlapping steps,
+    leaves out a stored tensor whose values did not fit: it keeps its dense memory anyway."""
+    model, x = mlp(), mlp_input()
+    with bitsparse.compressing(min_numel=MIN_NUMEL, capacity=80_000):  # one ReLU output's values fit
+        out = model(x)
+    s = bitsparse.stats()
+    assert s.tensors_compressed == 1 and s.fallbacks == {"arena_full": 1}, str(s)
+    arena = bitsparse.training._session._pools[x.device].current
+    relu_output_words = x.shape[0] * 256
+    assert arena.excess_words == arena.reserved_bytes // 4 - relu_output_words > 0
+    loss_of(out).backward()
+
+
+def test_a_graph_dropped_in_a_pipeline_ends_its_step_though_other_microbatches_are_alive():
+    """Microbatch 3's graph dropped without backward, as a skipped microbatch's is: its step is
+    over, and the next forward is served by the arena it freed, planned for one microbatch,
+    not by the dropped step's filled one nor for two."""
+    model, inputs = pipeline_stage(0.9)
+    schedule = one_f_one_b(len(inputs), 2)  # ... F3 B2 F4 B3 F5 ...
+    schedule.remove(("B", 3))
+    schedule.insert(schedule.index(("F", 3)) + 1, ("D", 3))  # ... F3 D3 B2 F4 F5 ...
+    schedule.insert(schedule.index(("D", 3)) + 1, schedule.pop(schedule.index(("F", 4))))  # ... F3 D3 F4 B2 F5 ...
+    relu_outputs = inputs[0].shape[0] * PIPELINE_HIDDEN * inputs[0].element_size() * len(model.layers)
+
+    def iteration(options):
+        model.zero_grad(set_to_none=True)
+        losses, held, fallbacks = {}, [], PerForward(lambda stats: sum(stats.fallbacks.values()))
+        for op, i in schedule:
+            if op == "F":
+                with contextlib.nullcontext() if options is None else bitsparse.compressing(**options):
+                    losses[i] = model(inputs[i])
+                if options is not None:
+                    stats = bitsparse.stats()
+                    held.append((fallbacks.added(stats), stats.arena_reserved / (relu_outputs * len(losses))))
+            elif op == "B":
+                losses.pop(i).backward()
+            else:
+                del losses[i]
+        return [p.grad.clone() for p in model.parameters()], held
+
+    expected, _ = iteration(None)
+    for _ in range(3):
+        got, held = iteration({})
+        assert_same_grads(got, expected)
+        assert alive() == 0
+    kept, ratios = zip(*held)
+    assert kept == (0,) * len(inputs) and max(ratios) < 0.5, held
+
+
+def test_a_step_start_cut_short_after_its_pool_switched_arenas_leaves_no_site_storing_into_the_old_one(monkeypatch):
+    """Ctrl-C once a pool has chosen the new step's arena and before the sites forgot the one
+    they stored into: the step's start runs again at the next save, and so does the check."""
+    model, inputs = pipeline_stage(0.9)
+    schedule = one_f_one_b(len(inputs), 2)
+    expected, _ = run_pipeline(model, inputs, schedule, None)
+    for _ in range(2):  # measured, then planned: every tensor stored from here on
+        run_pipeline(model, inputs, schedule, {})
+    forget, interrupts = manager.Session._forget_stale_buffers, [KeyboardInterrupt()] * 3
+
+    def interrupted(session):
+        if interrupts:
+            raise interrupts.pop()
+        forget(session)
+
+    monkeypatch.setattr(manager.Session, "_forget_stale_buffers", interrupted)
+    model.zero_grad(set_to_none=True)
+    losses, kept, fallbacks = {}, [], PerForward(lambda stats: sum(stats.fallbacks.values()))
+    for op, i in schedule:
+        if op == "B":
+            losses.pop(i).backward()
+            continue
+        while True:
+            try:
+                with bitsparse.compressing():
+                    losses[i] = model(inputs[i])
+                break
+            except KeyboardInterrupt:
+                pass
+        kept.append(fallbacks.added(bitsparse.stats()))
+    assert not interrupts and kept == [0] * len(inputs), kept
+    assert_same_grads([p.grad for p in model.parameters()], expected)
+    assert alive() == 0
+
+
 # --------------------------------------------------------------------------------------------
 # (j)-(l): exceptions, no-grad modes, checkpointing
 
