@@ -381,7 +381,14 @@ class Arena:
 
     def reserve_fixed(self, words: int) -> torch.Tensor | None:
         """``words`` int32 words of the fixed region, or None when the region is full (or the
-        device had no room for the planned buffer: see ``out_of_memory``)."""
+        device had no room for the planned buffer: see ``out_of_memory``).
+
+        Until a step stores anything, the arena holds its buffer only for an append that can
+        fit in it (see ``_room_for_first``): a step whose tensors are all larger than the
+        arena, which it was planned for smaller steps, holds no device memory for it."""
+        if self._fixed_used == 0 and not self._room_for_first(words):
+            self._fixed_demand += words
+            return None
         if self._planned is not None:
             self._allocate_planned()
         self._fixed_demand += words
@@ -395,6 +402,22 @@ class Arena:
                 self._fixed_views.clear()
             view = self._fixed_views[start, words] = self._buffer[start : start + words]
         return view
+
+    def _room_for_first(self, words: int) -> bool:
+        """Whether the buffer (planned or made) is for an append of ``words`` fixed words
+        while nothing is stored in it: the step's first append, whose fixed words fit in the
+        fixed region. Where it is not, a buffer the arena may let go of at once goes, its plan
+        kept for a later step: one without a spill region (releasing that waits for the
+        device) and with no lease open; a buffer that stays takes the append as before. A
+        step that measured an append without a buffer stores nothing in one (the buffer's
+        cursor would start past the values measured), as a first step does."""
+        if self._buffer is not None and (self._spill_words or self.leased):
+            return True
+        if words <= (self._planned or (self._fixed_capacity,))[0] and not self._appends:
+            return True
+        if self._buffer is not None:
+            self.release_buffer()
+        return False
 
     def _allocate_planned(self) -> None:
         """Allocate the planned buffer. Where the device has no room for it, the arena goes on

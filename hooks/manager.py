@@ -446,6 +446,8 @@ class Session:
             square = site.in_memory_order(square)
         fixed = arena.reserve_fixed(site.fixed_words)
         if fixed is None:
+            if arena.values is None:  # it may have let its buffer go: no site may keep it alive
+                self._forget_stale_buffers()
             self._measure(arena, site, x, square)
             return self._kept_dense(t, site, "out_of_memory" if arena.out_of_memory else "arena_full")
         slot, report, sure = arena.next_report(site.max_value_words, site.dense_words)

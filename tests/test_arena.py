@@ -284,17 +284,46 @@ def test_measured_tensors_move_the_cursor_as_stored_ones_would():
     assert empty.usage().fixed_demand == roomy.usage().fixed_demand
 
 
-def test_a_buffer_made_after_host_measures_continues_their_cursor():
-    """Measured without a buffer (in host memory), then stored into one made in the same
-    step: the appends' ends go on from where the measured ones ended."""
+def test_a_step_that_measured_without_a_buffer_stores_in_one_from_the_next_step_on():
+    """Measured without a buffer (in host memory), then given one in the same step: the
+    buffer's cursor would start past the values measured, so the step measures on and lets
+    it go, as it does a buffer its tensors do not fit in; the next step stores from its start."""
     arena = Arena("cpu")
     store = Store(arena)
-    assert [store(relu_like(5000, 0.5, i)) for i in range(2)] == [None, None]
-    end = store.reports[-1][1]
-    assert end > 0 and arena.reserved_bytes == 0
+    tensors = [relu_like(5000, 0.5, i) for i in range(2)] + [relu_like(4096, 0.5)]
+    assert [store(x) for x in tensors[:2]] == [None, None]
     arena.resize(1 << 16)
-    c = store(relu_like(4096, 0.5))
-    assert store.reports[-1] == (end, end + int(c.stream_words())) and int(c.base) == end
+    assert store(tensors[2]) is None and arena.reserved_bytes == 0
+    assert store.reports[-1][0] == store.reports[-2][1]  # measured on from the last end
+    assert arena.begin_step(*demand(arena))
+    store = Store(arena)
+    compressed = [store(x) for x in tensors]
+    assert_all_fit_exactly(compressed, tensors)
+    assert int(compressed[0].base) == 0
+
+
+def test_a_buffer_no_tensor_of_a_step_fits_in_is_let_go_until_one_does():
+    """A step of tensors each larger than the buffer (a batch far larger than the recent
+    steps that bound it) holds no device memory for it, and the next step like the recent
+    ones has its buffer again."""
+    arena = Arena("cpu")
+    small, large = [relu_like(4096, 0.5, i) for i in range(2)], [relu_like(16 * 4096, 0.5, i) for i in range(2)]
+    run_step(arena, small)
+    assert_all_fit_exactly(run_step(arena, small), small)
+    planned = arena.reserved_bytes
+    assert planned > 0 and [Store(arena)(x) for x in large] == [None, None]
+    assert arena.reserved_bytes == 0
+    assert arena.begin_step(*demand(arena), 2 * 16 * 4096)
+    store = Store(arena)
+    assert_all_fit_exactly([store(x) for x in small], small)
+    assert 0 < arena.reserved_bytes <= 2 * 4096 * WORD_BYTES  # within the small step's dense size
+
+
+def test_a_buffer_with_a_spill_region_stays_for_a_tensor_it_cannot_take():
+    arena = spilling(values_demand=2000, most_value_words=20_000)
+    buffer = arena.values.words
+    assert arena.reserve_fixed(arena.fixed_capacity_words + 1) is None
+    assert arena.values.words is buffer  # releasing it would wait for the device
 
 
 def test_tile_words_of_an_interrupted_measure_are_let_go_at_the_next_drain():

@@ -687,6 +687,29 @@ def test_a_pipeline_schedule_keeps_its_gradients_and_holds_no_more_than_dense(ze
     assert alive() == 0
 
 
+def test_steps_of_batches_far_apart_in_size_hold_no_more_than_dense_at_any_step():
+    """Batches of 16 and 256 rows in turn: the arena, bounded by the small steps' size, can
+    take none of a large step's tensors, and lets its buffer go for that step. (Begun with a
+    large batch, the first small step would hold an arena planned for the large one: see
+    docs/design.md, "Steps unlike the recent ones".)"""
+    model = mlp()
+    batches = [mlp_input(seed=i, batch=rows) for i, rows in enumerate([16, 256] * 4)]
+    ratios = []
+    for x in batches:
+        expected = train_step(model, x, contextlib.nullcontext())
+        zero_grads(model, x)
+        with bitsparse.compressing(min_numel=MIN_NUMEL):
+            out = model(x)
+        s = bitsparse.stats()
+        relu_output_bytes = x.shape[0] * 256 * 4
+        kept = s.tensors_seen - s.tensors_compressed - s.tensors_deduplicated - sum(s.tensors_skipped.values())
+        ratios.append((s.arena_reserved + kept * relu_output_bytes) / (2 * relu_output_bytes))
+        loss_of(out).backward()
+        assert_same_grads(grads(model, x), expected)
+    assert max(ratios) <= 1 and max(ratios[2::2]) < 1, ratios  # the small steps store
+    assert alive() == 0
+
+
 def test_a_tensor_kept_dense_for_good_no_longer_counts_as_held_in_its_arenas_place():
     """The arena's excess over its leases, which bounds the arenas of overlapping steps,
     leaves out a stored tensor whose values did not fit: it keeps its dense memory anyway."""
