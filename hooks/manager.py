@@ -444,9 +444,10 @@ class Session:
         x = site.in_memory_order(t)
         if square is not None:
             square = site.in_memory_order(square)
+        values = arena.values
         fixed = arena.reserve_fixed(site.fixed_words)
         if fixed is None:
-            if arena.values is None:  # it may have let its buffer go: no site may keep it alive
+            if values is not None and arena.values is None:  # it let its buffer go: no site may keep it alive
                 self._forget_stale_buffers()
             self._measure(arena, site, x, square)
             return self._kept_dense(t, site, "out_of_memory" if arena.out_of_memory else "arena_full")

@@ -737,18 +737,18 @@ def test_a_graph_dropped_in_a_pipeline_ends_its_step_though_other_microbatches_a
 
     def iteration(options):
         model.zero_grad(set_to_none=True)
-        losses, held, fallbacks = {}, [], PerForward(lambda stats: sum(stats.fallbacks.values()))
-        for op, i in schedule:
-            if op == "F":
-                with contextlib.nullcontext() if options is None else bitsparse.compressing(**options):
-                    losses[i] = model(inputs[i])
-                if options is not None:
-                    stats = bitsparse.stats()
-                    held.append((fallbacks.added(stats), stats.arena_reserved / (relu_outputs * len(losses))))
-            elif op == "B":
-                losses.pop(i).backward()
-            else:
-                del losses[i]
+        held, fallbacks, in_flight = [], PerForward(lambda stats: sum(stats.fallbacks.values())), set()
+
+        def account(op: str, i: int) -> None:
+            if op != "F":
+                in_flight.discard(i)
+            elif options is not None:
+                in_flight.add(i)
+                stats = bitsparse.stats()
+                held.append((fallbacks.added(stats), stats.arena_reserved / (relu_outputs * len(in_flight))))
+
+        context = contextlib.nullcontext if options is None else lambda: bitsparse.compressing(**options)
+        run_iteration(model, inputs, schedule, context, account)
         return [p.grad.clone() for p in model.parameters()], held
 
     expected, _ = iteration(None)

@@ -56,11 +56,14 @@ def run_iteration(
 ) -> None:
     """One iteration of ``schedule`` over ``inputs``: each forward inside ``context()``, and
     ``after_each(op, i)`` after every forward (``"F"``) and backward (``"B"``) of microbatch
-    ``i``; the gradients accumulate into the model's."""
+    ``i``, or after its graph is dropped without one (``"D"``, a skipped microbatch); the
+    gradients accumulate into the model's."""
     losses = {}
     for op, i in schedule:
         if op == "B":
             losses.pop(i).backward()
+        elif op == "D":
+            del losses[i]
         else:
             with context():
                 losses[i] = model(inputs[i])
